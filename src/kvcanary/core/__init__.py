@@ -1,0 +1,1 @@
+"""Lowest layer: hashing, the canary record layout, fail reasons and launch tags."""

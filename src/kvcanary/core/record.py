@@ -1,0 +1,171 @@
+"""The 32-byte canary record, fail reasons, launch tags and the violation row.
+
+A canary buffer is ``uint8[num_slots, 32]``, index-aligned with the KV pool's slots and
+zero-initialised. Slot 0 is reserved for padding writes and is never verified. A record is
+four little-endian int64 fields:
+
+| word | field       | meaning                                                   |
+|------|-------------|-----------------------------------------------------------|
+| 0    | token       | token id whose K/V the slot holds                         |
+| 1    | position    | logical position of that token in its sequence            |
+| 2    | chain       | prefix hash entering this slot (see core.hashing)         |
+| 3    | fingerprint | hash of the slot's real K/V bytes (0 when not recorded)   |
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+RECORD_BYTES = 32
+RECORD_WORDS = 4
+TOKEN, POSITION, CHAIN, FINGERPRINT = range(RECORD_WORDS)
+PAD_SLOT = 0
+
+
+def new_canary(num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed canary buffer ``uint8[num_slots, 32]``."""
+    if num_slots < 2:
+        raise ValueError(f"num_slots {num_slots} < 2; slot 0 is reserved, so a pool needs at least 2 slots")
+    return torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8, device=device)
+
+
+def record_words(canary: torch.Tensor) -> torch.Tensor:
+    """The ``int64[num_slots, 4]`` view of a canary buffer (shares storage)."""
+    return canary.view(torch.int64)
+
+
+class Reason(enum.IntFlag):
+    """Fail-reason bits of a violation row."""
+
+    CHAIN = 1
+    POSITION = 2
+    FINGERPRINT = 4
+    WRITE_TOKEN = 8
+    WRITE_POSITION = 16
+    VERIFY_TOKEN = 32
+
+    @classmethod
+    def names(cls, bits: int) -> list[str]:
+        return [r.name.lower() for r in cls if bits & r.value]
+
+    @classmethod
+    def parse(cls, text: str) -> Reason:
+        """Inverse of ``format_reasons``: ``"chain+position"`` -> Reason.CHAIN | Reason.POSITION."""
+        out = cls(0)
+        for part in filter(None, text.split("+")):
+            try:
+                out |= cls[part.upper()]
+            except KeyError:
+                raise ValueError(f"unknown reason {part!r}; expected one of {[r.name.lower() for r in cls]}")
+        return out
+
+
+def format_reasons(bits: int) -> str:
+    return "+".join(Reason.names(bits)) or "none"
+
+
+class LaunchPoint(enum.IntEnum):
+    HEAD = 0
+    TAIL = 1
+    SWEEP = 2
+
+
+class Half(enum.IntEnum):
+    K = 0
+    V = 1
+
+
+class PoolKind(enum.IntEnum):
+    FULL = 0
+    SWA = 1
+
+
+NUM_LAUNCH_TAGS = len(LaunchPoint) * len(PoolKind) * len(Half)
+
+
+@dataclass(frozen=True)
+class LaunchTag:
+    """Where a check ran: launch point x pool kind x K/V half, packed into one int.
+
+    ``value = point * 4 + pool * 2 + half``. Identity checks (chain, position, token) run once
+    per pool and carry half K; fingerprint checks carry the half of their first source.
+    """
+
+    point: LaunchPoint
+    pool: PoolKind = PoolKind.FULL
+    half: Half = Half.K
+
+    @property
+    def value(self) -> int:
+        return int(self.point) * 4 + int(self.pool) * 2 + int(self.half)
+
+    @classmethod
+    def decode(cls, value: int) -> LaunchTag:
+        if not 0 <= value < NUM_LAUNCH_TAGS:
+            raise ValueError(f"launch tag {value} out of range [0, {NUM_LAUNCH_TAGS})")
+        return cls(LaunchPoint(value // 4), PoolKind((value // 2) % 2), Half(value % 2))
+
+    def __str__(self) -> str:
+        return f"{self.point.name}.{self.pool.name}.{self.half.name}"
+
+
+# --- violation rows ----------------------------------------------------------------------
+
+VIOLATION_ROW_WIDTH = 8
+(COL_TAG, COL_SLOT, COL_STORED_POSITION, COL_STORED_TOKEN, COL_EXPECTED_TOKEN, COL_STORED_VALUE,
+ COL_EXPECTED_VALUE, COL_REASONS) = range(VIOLATION_ROW_WIDTH)
+
+
+@dataclass(frozen=True)
+class ViolationRow:
+    """One decoded ring row.
+
+    ``stored_value`` / ``expected_value`` belong to the first failing check in the order
+    chain, position, fingerprint, write_token/verify_token: the stored and expected chain for a
+    chain failure, the stored and expected position for a position failure, and so on. A slot
+    outside the pool (a wild page-table entry) reports chain+position with stored fields -1.
+    """
+
+    tag: LaunchTag
+    slot: int
+    stored_position: int
+    stored_token: int
+    expected_token: int
+    stored_value: int
+    expected_value: int
+    reasons: Reason
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> ViolationRow:
+        if len(row) != VIOLATION_ROW_WIDTH:
+            raise ValueError(f"violation row length {len(row)} != {VIOLATION_ROW_WIDTH}")
+        return cls(LaunchTag.decode(row[COL_TAG]), *row[COL_SLOT:COL_REASONS], Reason(row[COL_REASONS]))
+
+
+def new_ring(capacity: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A violation ring ``int64[capacity, 8]`` and its total counter ``int64[1]``.
+
+    Kernels claim a row with one atomic add on the counter; rows past ``capacity`` are dropped
+    but still counted, so ``counter - capacity`` is the number lost.
+    """
+    if capacity < 1:
+        raise ValueError(f"ring capacity {capacity} < 1")
+    ring = torch.full((capacity, VIOLATION_ROW_WIDTH), -1, dtype=torch.int64, device=device)
+    return ring, torch.zeros(1, dtype=torch.int64, device=device)
+
+
+STAT_LAUNCHES, STAT_CHECKED, STAT_STAMPED = range(3)
+NUM_STATS = 3
+
+
+def new_stats(device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-tag counters ``int64[NUM_LAUNCH_TAGS, 3]``: launches, slots checked, slots stamped."""
+    return torch.zeros(NUM_LAUNCH_TAGS, NUM_STATS, dtype=torch.int64, device=device)
+
+
+def decode_rows(rows: torch.Tensor) -> list[ViolationRow]:
+    """Decode ``int64[n, 8]`` ring rows (any device) into ``ViolationRow`` objects."""
+    return [ViolationRow.from_row(r) for r in rows.cpu().tolist()]

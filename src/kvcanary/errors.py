@@ -1,0 +1,23 @@
+"""Exception hierarchy. Kernels never raise; these come from host-side validation and policies."""
+
+from __future__ import annotations
+
+
+class KVCanaryError(Exception):
+    """Base of every error kv-canary raises."""
+
+
+class ConfigError(KVCanaryError, ValueError):
+    """A configuration value is out of its documented range."""
+
+
+class CapacityError(KVCanaryError):
+    """A fixed capacity chosen at install is too small for the requested work."""
+
+
+class CanaryViolation(KVCanaryError):
+    """Raised after a step by the ``raise`` policy; ``violations`` holds the decoded records."""
+
+    def __init__(self, message: str, violations: list | None = None):
+        super().__init__(message)
+        self.violations = list(violations or [])

@@ -1,0 +1,1 @@
+"""The canary runtime: buffers, plans, HEAD/TAIL/SWEEP, reporting, policies, watchdog."""
