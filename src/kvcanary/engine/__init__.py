@@ -1,0 +1,22 @@
+"""The reference paged-KV engine: the embedded default workload of the canary."""
+
+from __future__ import annotations
+
+from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
+from kvcanary.engine.engine import CachedRun, Engine, StepResult
+from kvcanary.engine.hooks import EngineHooks
+from kvcanary.engine.request import Request, RequestStatus
+from kvcanary.engine.stats import EngineStats
+
+__all__ = [
+    "CachedRun",
+    "Engine",
+    "EngineConfig",
+    "EngineHooks",
+    "EngineStats",
+    "ModelConfig",
+    "Request",
+    "RequestStatus",
+    "SamplerKind",
+    "StepResult",
+]

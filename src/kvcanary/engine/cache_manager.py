@@ -1,0 +1,155 @@
+"""The cache manager owns the KV memory of requests: pool, prefix cache and host tier together.
+
+It gives a request its row and cached prefix (``admit``), grows its slots (``reserve``) and
+takes everything back (``release``), evicting from the prefix cache (offloading to the host
+tier when there is one) whenever the free list is short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcanary.engine.host_tier import HostTier
+from kvcanary.engine.pool import KVPool
+from kvcanary.engine.radix import RadixCache, RadixNode
+from kvcanary.engine.request import Request
+from kvcanary.engine.stats import EngineStats
+
+
+class CacheManager:
+    def __init__(self, pool: KVPool, tree: RadixCache | None, host_tier: HostTier | None, stats: EngineStats):
+        self.pool, self.tree, self.host_tier, self.stats = pool, tree, host_tier, stats
+        self.page_size = pool.page_size
+
+    def evict(self, num_slots: int) -> int:
+        """Evict at least ``num_slots`` unlocked prefix-cache slots if possible; returns the number freed.
+        Side effects: ``on_offload`` per offloaded node, then ``on_free``."""
+        if self.tree is None:
+            return 0
+        evicted = self.tree.evict(num_slots, self.host_tier.offload if self.host_tier else None)
+        self.pool.free(evicted.slots)
+        if self.host_tier is not None:
+            self.host_tier.free_rows(evicted.host_rows)
+        self.stats.num_dropped_host_slots += evicted.host_rows.numel()
+        self.stats.num_evicted_slots += evicted.slots.numel()
+        self.stats.num_offloaded_slots += evicted.num_offloaded
+        return evicted.slots.numel()
+
+    def alloc_slots(self, num_slots: int) -> torch.Tensor | None:
+        """``num_slots`` (a page multiple) fresh slots, evicting from the prefix cache when short."""
+        short = num_slots - self.pool.num_free_slots
+        if short > 0:
+            self.evict(short)
+        return self.pool.alloc(num_slots)
+
+    def _match_and_lock(self, tokens: list[int]) -> tuple[RadixNode | None, int]:
+        """Lock the longest cached prefix of ``tokens`` that leaves at least one token to compute,
+        loading host nodes back to the device; stops before a node that cannot be loaded."""
+        if self.tree is None:
+            return None, 0
+        limit = (len(tokens) - 1) // self.page_size * self.page_size
+        node, length = self.tree.match(tokens[:limit])
+        self.tree.lock(node)  # protects the path (host nodes too) from eviction while loading
+        for n in node.path():
+            if not n.is_on_host:
+                continue
+            slots = self.alloc_slots(len(n.key))
+            if slots is None:
+                self.tree.unlock(node)
+                node = n.parent
+                self.tree.lock(node)
+                return node, node.end
+            self.host_tier.load(n, slots)
+            self.stats.num_loaded_slots += slots.numel()
+        return node, length
+
+    def admit(self, req: Request) -> bool:
+        """Give ``req`` a page-table row and its cached prefix. False (nothing held) when no row is free.
+        Side effects: may evict/offload and load back (``on_offload``, ``on_free``, ``on_load``)."""
+        row = self.pool.alloc_row()
+        if row is None:
+            return False
+        node, length = self._match_and_lock(req.token_ids)
+        req.row, req.prefix_node = row, node
+        req.num_cached = req.num_prefix_cached = length
+        req.slots = torch.cat([n.slots for n in node.path()]) if length else req.slots[:0]
+        self.pool.req_to_token[row, :length] = req.slots.to(self.pool.device, torch.int32)
+        return True
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make positions ``[0, num_tokens)`` of ``req`` have slots; False (nothing taken) if memory
+        is short even after eviction."""
+        need = -(-num_tokens // self.page_size) * self.page_size - req.capacity
+        if need <= 0:
+            return True
+        slots = self.alloc_slots(need)
+        if slots is None:
+            return False
+        self.pool.req_to_token[req.row, req.capacity : req.capacity + need] = slots.to(
+            self.pool.device, torch.int32
+        )
+        req.slots = torch.cat([req.slots, slots])
+        return True
+
+    def release(self, req: Request, cache: bool) -> None:
+        """Take back everything ``req`` holds. With ``cache``, its computed page-aligned tokens
+        enter the prefix cache; its other own slots are freed (``on_free``)."""
+        own_start = req.num_prefix_cached
+        if cache and self.tree is not None:
+            num_cached = req.num_cached // self.page_size * self.page_size
+            inserted = self.tree.insert(req.token_ids[:num_cached], req.slots[:num_cached])
+            if self.host_tier is not None:
+                self.host_tier.free_rows(inserted.revived_host_rows)
+            self.pool.free(torch.cat([inserted.duplicate_slots, req.slots[num_cached:]]))
+        else:
+            self.pool.free(req.slots[own_start:])
+        if self.tree is not None and req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        self.pool.free_row(req.row)
+        req.reset_cache_state()
+
+    def quarantine(self, bad_slots: torch.Tensor) -> int:
+        """Never hand out the pages of ``bad_slots`` again and drop every prefix-cache node holding
+        one (with its subtree). Requests reading them must have been released. Returns pages quarantined."""
+        num_pages = self.pool.quarantine(bad_slots)
+        if self.tree is None:
+            return num_pages
+        bad = set(bad_slots.tolist())
+        victims = [n for n in self.tree.nodes() if not n.is_on_host and bad & set(n.slots.tolist())]
+        victim_ids = {id(n) for n in victims}
+        for node in victims:
+            if any(id(a) in victim_ids for a in node.path()[:-1]):
+                continue  # goes with its ancestor's subtree
+            slots, host_rows = self.tree.remove(node)
+            self.pool.free(slots)
+            if self.host_tier is not None:
+                self.host_tier.free_rows(host_rows)
+        return num_pages
+
+    def check_integrity(self, requests: Sequence[Request]) -> None:
+        """Assert conservation of slots, rows and host rows, tree invariants and each active
+        request's page table against its own slot record."""
+        active = [r for r in requests if r.is_active]
+        owned = [r.slots[r.num_prefix_cached :] for r in active]
+        for r in active:
+            where = f"request {r.request_id}"
+            assert r.num_prefix_cached <= r.num_cached <= r.capacity <= r.num_tokens + self.page_size, (
+                f"{where}: prefix {r.num_prefix_cached} <= cached {r.num_cached} <= capacity {r.capacity}"
+            )
+            assert r.capacity % self.page_size == 0, f"{where}: capacity {r.capacity} is not whole pages"
+            table = self.pool.req_to_token[r.row, : r.capacity].to("cpu", torch.int64)
+            assert torch.equal(table, r.slots), f"{where}: req_to_token row {r.row} != its slot record"
+            if self.tree is not None:
+                path = r.prefix_node.path()
+                prefix = torch.cat([n.slots for n in path]) if path else r.slots[:0]
+                assert r.prefix_node.end == r.num_prefix_cached and torch.equal(
+                    prefix, r.slots[: r.num_prefix_cached]
+                ), f"{where}: prefix slots != its locked prefix-cache path"
+        if self.tree is not None:
+            self.tree.check_integrity([r.prefix_node for r in active])
+            owned += [n.slots for n in self.tree.nodes() if not n.is_on_host]
+        self.pool.check_integrity(owned, [r.row for r in active])
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()

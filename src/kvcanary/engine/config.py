@@ -1,0 +1,162 @@
+"""Frozen configs of the reference engine, validated on construction.
+
+Every error is a ``ConfigError`` (a ``ValueError``) naming the field, the expected and the
+actual value, and what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.errors import ConfigError
+
+
+class SamplerKind(enum.Enum):
+    GREEDY = "greedy"  # argmax of the logits
+    ORACLE = "oracle"  # hash of (request id, position): outputs independent of the logits
+
+
+Rule = tuple[str, Callable[[], bool], str, str]  # field, check, expected, what to change
+
+
+def _validate(config: object, rules: list[Rule]) -> None:
+    """Apply ``rules`` in order (a later check may rely on an earlier one having passed)."""
+    owner = type(config).__name__
+    for name, ok, expected, fix in rules:
+        if not ok():
+            actual = getattr(config, name)
+            raise ConfigError(f"{owner}.{name} must be {expected}, got {actual!r}; {fix}")
+
+
+def _positive(config: object, *names: str) -> list[Rule]:
+    def is_positive(name: str) -> bool:
+        value = getattr(config, name)
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    return [
+        (name, lambda name=name: is_positive(name), "an int >= 1", f"pass a positive {name}")
+        for name in names
+    ]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and seed of the tiny Llama-style model. Weights are drawn from ``seed``."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    rope_theta: float = 10000.0
+    dtype: torch.dtype = torch.float64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        names = (
+            "vocab_size",
+            "hidden",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+        )
+        _validate(self, _positive(self, *names) + [
+            ("num_heads", lambda: self.num_heads % self.num_kv_heads == 0,
+             f"a multiple of num_kv_heads ({self.num_kv_heads})",
+             "each KV head serves num_heads // num_kv_heads query heads"),
+            ("head_dim", lambda: self.head_dim % 2 == 0, "even", "RoPE rotates pairs of dimensions"),
+            ("rope_theta", lambda: isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0,
+             "a number > 0", "use e.g. 10000.0"),
+            ("dtype", lambda: isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point,
+             "a floating torch.dtype", "use torch.float64 (batch-invariant) or another float type"),
+            ("seed", lambda: isinstance(self.seed, int) and 0 <= self.seed < 2**63,
+             "an int in [0, 2**63)", "pass a non-negative seed"),
+        ])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacities and policies of the engine.
+
+    Slots are handed out by pages of ``page_size``; page 0 (slots ``0..page_size-1``) is
+    reserved for padding writes, and page-table row 0 is reserved for padding requests.
+    ``host_tier_slots`` is the number of host rows (one slot's K/V each); 0 disables offload.
+    ``sampler`` also accepts its string value; ``device`` any CPU or CUDA device string.
+    """
+
+    num_slots: int = 2048
+    page_size: int = 1
+    max_rows: int = 65
+    max_ctx: int = 512
+    chunk_size: int = 128
+    max_tokens_per_step: int = 512
+    max_running: int = 32
+    enable_prefix_cache: bool = True
+    host_tier_slots: int = 0
+    sampler: SamplerKind = SamplerKind.GREEDY
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        names = (
+            "num_slots",
+            "page_size",
+            "max_rows",
+            "max_ctx",
+            "chunk_size",
+            "max_tokens_per_step",
+            "max_running",
+        )
+        _validate(self, _positive(self, *names))  # the rules below rely on these
+        ps, kinds = self.page_size, [k.value for k in SamplerKind]
+        _validate(self, [
+            ("num_slots", lambda: self.num_slots % ps == 0, f"a multiple of page_size ({ps})",
+             f"round it up to {_round_up(self.num_slots, ps)}"),
+            ("num_slots", lambda: self.num_slots >= 2 * ps, f">= 2 * page_size ({2 * ps})",
+             "page 0 is reserved for padding, so the pool needs at least one more page"),
+            ("max_rows", lambda: self.max_rows >= 2, ">= 2", "row 0 of the page table is reserved"),
+            ("max_ctx", lambda: self.max_ctx % ps == 0, f"a multiple of page_size ({ps})",
+             f"round it up to {_round_up(self.max_ctx, ps)}"),
+            ("max_running", lambda: self.max_running < self.max_rows, f"< max_rows ({self.max_rows})",
+             "raise max_rows or lower max_running: each running request holds one page-table row"),
+            ("enable_prefix_cache", lambda: isinstance(self.enable_prefix_cache, bool), "a bool",
+             "pass True or False"),
+            ("host_tier_slots", lambda: isinstance(self.host_tier_slots, int) and self.host_tier_slots >= 0,
+             "an int >= 0", "pass 0 to disable the host tier"),
+            ("host_tier_slots", lambda: self.host_tier_slots == 0 or self.enable_prefix_cache,
+             "0 when enable_prefix_cache is False",
+             "the host tier holds evicted prefix-cache nodes; enable the prefix cache or pass 0"),
+            ("sampler", lambda: isinstance(self.sampler, SamplerKind) or self.sampler in kinds,
+             f"a SamplerKind or one of {kinds}", "pass SamplerKind.GREEDY or SamplerKind.ORACLE"),
+            ("device", lambda: _device_type(self.device) in ("cpu", "cuda"),
+             "'cpu' or a CUDA device such as 'cuda' or 'cuda:1'", "pass a torch device string"),
+        ])  # fmt: skip
+        object.__setattr__(self, "sampler", SamplerKind(self.sampler))
+        object.__setattr__(self, "device", str(torch.device(self.device)))
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots // self.page_size
+
+    @property
+    def num_usable_slots(self) -> int:
+        """Slots the allocator can hand out: all but page 0."""
+        return self.num_slots - self.page_size
+
+
+def _device_type(device: object) -> str | None:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None

@@ -1,0 +1,240 @@
+"""The engine: requests in, one forward per step, tokens out.
+
+``step()`` = schedule (admit, evict/offload, load back, preempt) -> build the ``ForwardBatch``
+-> ``hooks.before_forward`` -> model (writes and reads the paged KV) -> ``hooks.after_forward``
+-> sample -> finish (finished requests enter the prefix cache) -> ``hooks.after_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kvcanary.engine.cache_manager import CacheManager
+from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.engine.forward_batch import build_forward_batch
+from kvcanary.engine.hooks import EngineHooks
+from kvcanary.engine.host_tier import HostTier
+from kvcanary.engine.model import TinyLlama
+from kvcanary.engine.pool import KVPool
+from kvcanary.engine.radix import RadixCache
+from kvcanary.engine.request import Request, RequestStatus
+from kvcanary.engine.sampler import Sampler
+from kvcanary.engine.scheduler import Scheduler
+from kvcanary.engine.stats import EngineStats
+from kvcanary.errors import CapacityError, ConfigError
+from kvcanary.runtime.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_index: int  # -1 when there was nothing to run
+    request_ids: tuple[int, ...] = ()  # requests that advanced, in batch order
+    new_tokens: dict[int, int] = field(default_factory=dict)  # request id -> token sampled this step
+    finished_ids: tuple[int, ...] = ()
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # request id -> [vocab] it sampled from
+    batch: ForwardBatch | None = None
+
+
+class CachedRun(NamedTuple):
+    """One device-resident prefix-cache node that no running request reads."""
+
+    slots: torch.Tensor  # int64[n] on the engine's device
+    token_ids: list[int]  # the n tokens whose K/V the slots hold
+    start_position: int  # position of token_ids[0]
+    prev_slot: int  # slot of position start_position - 1, or -1 at a sequence head
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        hooks: EngineHooks | None = None,
+    ):
+        self.model_config = model_config or ModelConfig()
+        self.config = config = engine_config or EngineConfig()
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"EngineConfig.device is {config.device!r} but CUDA is not available; use 'cpu'"
+            )
+        self.hooks = hooks if hooks is not None else EngineHooks()
+        self.stats = EngineStats()
+        self.pool = KVPool(self.model_config, config, self.hooks)
+        self.tree = RadixCache(config.page_size) if config.enable_prefix_cache else None
+        self.host_tier = None
+        if config.host_tier_slots:
+            self.host_tier = HostTier(self.pool, self.tree, config.host_tier_slots, self.stats)
+        self.cache = CacheManager(self.pool, self.tree, self.host_tier, self.stats)
+        self.scheduler = Scheduler(config, self.cache, self.stats)
+        self.model = TinyLlama(self.model_config, config.max_ctx, self.device)
+        self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
+        self.requests: dict[int, Request] = {}
+        self.step_index = 0
+        self._next_id = 0
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, request_id: int | None = None
+    ) -> int:
+        """Queue a request; returns its id. Raises ValueError for bad arguments and CapacityError
+        when it could never fit (``max_ctx`` or the pool)."""
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.model_config.vocab_size
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt_ids must be a non-empty list of ids in [0, {vocab}), got {prompt[:16]}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        total, cfg = len(prompt) + max_new_tokens, self.config
+        if total > cfg.max_ctx or -(-total // cfg.page_size) * cfg.page_size > cfg.num_usable_slots:
+            raise CapacityError(
+                f"len(prompt_ids) + max_new_tokens = {total} exceeds max_ctx ({cfg.max_ctx}) or the "
+                f"pool's {cfg.num_usable_slots} usable slots; shorten the request or raise "
+                "EngineConfig.max_ctx / num_slots"
+            )
+        if request_id is None:
+            while self._next_id in self.requests:
+                self._next_id += 1
+            request_id = self._next_id
+        elif request_id in self.requests:
+            raise ValueError(f"request_id {request_id} is already in use; pass a new id or None")
+        req = Request(request_id, prompt, max_new_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _get(self, request_id: int) -> Request:
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request_id {request_id}; known ids come from add_request")
+        return self.requests[request_id]
+
+    def abort(self, request_id: int) -> bool:
+        """Abort a waiting or running request, freeing all it holds (``on_free``). False if it had
+        already finished or been aborted."""
+        req = self._get(request_id)
+        if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+            return False
+        self.scheduler.abort(req)
+        self.stats.num_aborts += 1
+        return True
+
+    def output_ids(self, request_id: int) -> list[int]:
+        return list(self._get(request_id).output_ids)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- running ----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Run one scheduling step and its forward; see the module docstring for the hook order.
+        Raises CapacityError when requests wait but nothing can be scheduled."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.has_work:
+                raise CapacityError(
+                    f"{len(self.scheduler.waiting)} requests wait but none fits: "
+                    f"{self.pool.num_free_slots} free and {self.pool.num_quarantined_slots} quarantined "
+                    f"slots of {self.config.num_usable_slots}"
+                )
+            return StepResult(step_index=-1)
+        batch = build_forward_batch(plan, self.pool.req_to_token)
+        self.hooks.before_forward(batch)
+        logits = self.model.forward(batch, self.pool)
+        self.hooks.after_forward(batch)
+        for req, n in plan:
+            if n == 1 and req.num_cached >= len(req.prompt_ids):
+                self.stats.num_decode_tokens += 1
+            else:
+                self.stats.num_prefill_tokens += n
+        rows = [i for i, (req, n) in enumerate(plan) if req.num_cached + n == req.num_tokens]
+        reqs = [plan[i][0] for i in rows]
+        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs])
+        new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        finished = self.scheduler.postprocess(plan, new_tokens)
+        self.stats.num_steps += 1
+        self.hooks.after_step(self.step_index)
+        self.step_index += 1
+        return StepResult(
+            step_index=self.step_index - 1,
+            request_ids=batch.request_ids,
+            new_tokens=new_tokens,
+            finished_ids=tuple(r.request_id for r in finished),
+            logits={r.request_id: logits[i] for r, i in zip(reqs, rows, strict=True)},
+            batch=batch,
+        )
+
+    def run_until_done(self, max_steps: int | None = None) -> int:
+        """Step until no request waits or runs (or ``max_steps``); returns the steps run."""
+        steps = 0
+        while self.has_unfinished and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+        return steps
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+    ) -> dict[int, list[int]]:
+        """Add ``prompts``, run until done, return request id -> output ids."""
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        ids = [self.add_request(p, n) for p, n in zip(prompts, limits, strict=True)]
+        self.run_until_done()
+        return {i: self.output_ids(i) for i in ids}
+
+    # --- instrumentation --------------------------------------------------------------------
+
+    def prefix_cache_slots(self) -> list[CachedRun]:
+        """Every device-resident prefix-cache node no running request reads (lock count 0): its
+        slots, tokens, first position and predecessor slot. For sweeps of idle cached slots."""
+        if self.tree is None:
+            return []
+        runs = []
+        for node in self.tree.nodes():
+            if node.is_on_host or node.lock_count:
+                continue
+            prev = int(node.parent.slots[-1]) if node.parent is not self.tree.root else -1
+            runs.append(CachedRun(node.slots.to(self.device), list(node.key), node.start, prev))
+        return runs
+
+    def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int]) -> list[int]:
+        """Quarantine ``bad_slots`` (never handed out again; prefix-cache nodes holding one are
+        dropped) and make the named running requests, and any running request whose slots include
+        a bad one, re-prefill from prompt + outputs. Returns the ids retracted, oldest first."""
+        bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
+        if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
+            raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
+        bad = bad[bad >= self.config.page_size]  # page 0 is reserved and never handed out
+        named = {self._get(i).request_id for i in request_ids}
+        bad_set = set(bad.tolist())
+        affected = [
+            r for r in self.scheduler.running if r.request_id in named or bad_set & set(r.slots.tolist())
+        ]
+        for req in reversed(affected):
+            self.scheduler.retract(req)
+        self.stats.num_recomputes += len(affected)
+        self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
+        return [r.request_id for r in affected]
+
+    def check_integrity(self) -> None:
+        """Assert every host-side invariant: slot, row and host-row conservation, prefix-cache
+        locks and placement, page tables vs slot records, request states."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        assert len(running) <= self.config.max_running, f"{len(running)} running > max_running"
+        for r in running:
+            assert r.status is RequestStatus.RUNNING and r.is_active, f"request {r.request_id} listed running"
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not r.is_active, (
+                f"request {r.request_id} is waiting but holds row {r.row} (status {r.status.name})"
+            )
+        listed = {id(r) for r in running} | {id(r) for r in waiting}
+        for r in self.requests.values():
+            assert id(r) in listed or r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED), (
+                f"request {r.request_id} ({r.status.name}) is in no queue"
+            )
+        self.cache.check_integrity(list(self.requests.values()))

@@ -1,0 +1,42 @@
+"""The engine's instrumentation points. Subclass ``EngineHooks`` and override what you need.
+
+Order within one ``Engine.step()``:
+
+1. scheduling: ``on_offload`` / ``on_free`` (prefix-cache eviction), ``on_load`` (load-back of
+   host-resident prefix nodes), ``on_free`` (preemption);
+2. ``before_forward(batch)`` -> the model writes K/V at ``batch.out_cache_loc`` and reads every
+   request's prefix through ``batch.req_to_token`` -> ``after_forward(batch)``;
+3. sampling, then ``on_free`` for finished requests' slots that do not stay in the prefix cache;
+4. ``after_step(step_index)``.
+
+``Engine.abort`` and ``Engine.recompute`` run between steps and may call ``on_free``.
+Slot tensors are int64 on the engine's device; host rows are int64 on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.runtime.batch import ForwardBatch
+
+
+class EngineHooks:
+    """No-op hooks. Hooks must not change engine bookkeeping; they may read or write the pool."""
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """Right before the model runs; the slots in ``batch.out_cache_loc`` are not written yet."""
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """Right after the model wrote K/V for every slot in ``batch.out_cache_loc``."""
+
+    def after_step(self, step_index: int) -> None:
+        """Once per step that ran a forward, after sampling and finishing requests."""
+
+    def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """Right after K/V of ``device_slots[i]`` was copied to host row ``host_rows[i]``, all layers."""
+
+    def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Right after K/V of host row ``host_rows[i]`` was copied into ``device_slots[i]``, all layers."""
+
+    def on_free(self, slots: torch.Tensor) -> None:
+        """Right after ``slots`` returned to the allocator (they may be handed out again)."""

@@ -1,0 +1,108 @@
+"""A tiny Llama-style transformer with random weights drawn from ``ModelConfig.seed``.
+
+Embedding -> per layer: RMSNorm, q/k/v projections, RoPE, paged grouped-query attention (see
+``attention.py``), output projection, RMSNorm, SwiGLU MLP -> final RMSNorm -> LM head. Every
+activation is kept on the fixed-point grid of ``grid.py``, so in float64 a request's logits are
+bit-identical whatever it is batched with and however its prefill is chunked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcanary.engine.attention import AttentionLayout, paged_attention
+from kvcanary.engine.config import ModelConfig
+from kvcanary.engine.grid import to_grid
+from kvcanary.engine.pool import KVPoolBase
+from kvcanary.runtime.batch import ForwardBatch
+
+RMS_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    wq: torch.Tensor  # [num_heads * head_dim, hidden]
+    wk: torch.Tensor  # [num_kv_heads * head_dim, hidden]
+    wv: torch.Tensor  # [num_kv_heads * head_dim, hidden]
+    wo: torch.Tensor  # [hidden, num_heads * head_dim]
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate: torch.Tensor  # [intermediate, hidden]
+    w_up: torch.Tensor  # [intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return to_grid(x * torch.rsqrt((x * x).mean(-1, keepdim=True) + RMS_EPS) * weight)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos, sin: [T, D / 2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return to_grid(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+class TinyLlama:
+    """Weights live on ``device`` in ``config.dtype``; drawn on the CPU in float64 so every
+    device gets the same values."""
+
+    def __init__(self, config: ModelConfig, max_ctx: int, device: torch.device | str = "cpu"):
+        self.config, self.max_ctx = config, max_ctx
+        gen = torch.Generator().manual_seed(config.seed)
+
+        def draw(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+            x = torch.randn(*shape, generator=gen, dtype=torch.float64) * std + mean
+            return to_grid(x).to(device=device, dtype=config.dtype)
+
+        c = config
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.embed = draw(c.vocab_size, c.hidden, std=1.0)
+        self.layers = [
+            LayerWeights(
+                attn_norm=draw(c.hidden, std=0.1, mean=1.0),
+                wq=draw(q_dim, c.hidden, std=c.hidden**-0.5),
+                wk=draw(kv_dim, c.hidden, std=c.hidden**-0.5),
+                wv=draw(kv_dim, c.hidden, std=c.hidden**-0.5),
+                wo=draw(c.hidden, q_dim, std=q_dim**-0.5),
+                mlp_norm=draw(c.hidden, std=0.1, mean=1.0),
+                w_gate=draw(c.intermediate, c.hidden, std=c.hidden**-0.5),
+                w_up=draw(c.intermediate, c.hidden, std=c.hidden**-0.5),
+                w_down=draw(c.hidden, c.intermediate, std=c.intermediate**-0.5),
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.final_norm = draw(c.hidden, std=0.1, mean=1.0)
+        self.lm_head = draw(c.vocab_size, c.hidden, std=c.hidden**-0.5)
+        inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        angles = torch.arange(max_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.rope_cos = to_grid(torch.cos(angles)).to(device=device, dtype=c.dtype)  # [max_ctx, D / 2]
+        self.rope_sin = to_grid(torch.sin(angles)).to(device=device, dtype=c.dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pool: KVPoolBase) -> torch.Tensor:
+        """Run ``batch``: writes K/V of its tokens into ``pool`` at ``batch.out_cache_loc`` (every
+        layer), reads each request's K/V through ``batch.req_to_token``. Returns the logits of each
+        request's last token: [bs, vocab_size] in the model dtype."""
+        c, num_tokens = self.config, batch.num_tokens
+        layout = AttentionLayout.from_batch(batch)
+        positions = batch.positions.clamp(0, self.max_ctx - 1)  # RoPE table bounds, whatever the batch says
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.embed[batch.input_ids]
+        for layer, w in enumerate(self.layers):
+            x = rms_norm(h, w.attn_norm)
+            q = apply_rope(to_grid(x @ w.wq.T).view(num_tokens, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(to_grid(x @ w.wk.T).view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            v = to_grid(x @ w.wv.T).view(num_tokens, c.num_kv_heads, c.head_dim)
+            attn = paged_attention(
+                q, k, v, pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, layout
+            )
+            h = h + to_grid(attn.reshape(num_tokens, -1) @ w.wo.T)
+            x = rms_norm(h, w.mlp_norm)
+            gated = to_grid(F.silu(to_grid(x @ w.w_gate.T)) * to_grid(x @ w.w_up.T))
+            h = h + to_grid(gated @ w.w_down.T)
+        last = torch.cumsum(batch.extend_lens, 0) - 1
+        return to_grid(rms_norm(h[last], self.final_norm) @ self.lm_head.T)

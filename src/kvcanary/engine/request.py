@@ -1,0 +1,80 @@
+"""A request: its tokens, its status and where its K/V lives.
+
+| field             | meaning                                                               |
+|-------------------|-----------------------------------------------------------------------|
+| row               | its page-table row in ``req_to_token`` (0 = none)                     |
+| slots             | int64[capacity] (CPU): slot of each position ``[0, capacity)``; the   |
+|                   | engine's own record, mirrored into ``req_to_token[row, :capacity]``   |
+| num_cached        | positions ``[0, num_cached)`` hold computed K/V                        |
+| num_prefix_cached | positions ``[0, num_prefix_cached)`` are shared prefix-cache slots    |
+| prefix_node       | the prefix-cache node it locks (its matched prefix ends there)        |
+
+Slots at positions ``[num_prefix_cached, capacity)`` are owned by the request alone. The
+engine frees from ``slots``, never from the page table, so a damaged table cannot corrupt the
+allocator.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvcanary.engine.radix import RadixNode
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # retracted: holds nothing, waits to re-prefill its whole history
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    row: int = 0
+    slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    num_cached: int = 0
+    num_prefix_cached: int = 0
+    prefix_node: RadixNode | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + outputs so far: the token history whose K/V the request needs."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.numel()
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.output_ids) >= self.max_new_tokens
+
+    @property
+    def is_active(self) -> bool:
+        """Holds a row (and possibly slots and a prefix lock)."""
+        return self.row != 0
+
+    def reset_cache_state(self) -> None:
+        """Forget every slot and lock; the caller has released them."""
+        self.row = self.num_cached = self.num_prefix_cached = 0
+        self.slots = torch.zeros(0, dtype=torch.int64)
+        self.prefix_node = None

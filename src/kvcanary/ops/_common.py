@@ -1,0 +1,99 @@
+"""Shared validation and dispatch for the ops.
+
+Every public op validates dtypes, ranks and devices always, validates values only when the
+tensors live on the host (no device sync on the hot path), then dispatches: Triton on CUDA,
+vectorised torch on CPU. ``backend=Backend.TRITON`` forces the kernel, which tests use on CPU
+tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+try:  # Triton is optional on platforms without wheels (macOS laptops): the torch path serves.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+    class _TritonStub:
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = _TritonStub()
+    tl = None
+
+__all__ = ["Backend", "HAS_TRITON", "triton", "tl", "use_triton", "check_tensor", "check_same_device",
+           "is_host", "cdiv"]
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def use_triton(backend: Backend, device: torch.device) -> bool:
+    if backend is Backend.TORCH:
+        return False
+    if backend is Backend.TRITON or device.type == "cuda":
+        if not HAS_TRITON:
+            raise RuntimeError("the Triton backend was requested but triton is not installed; "
+                               "install triton or pass backend=Backend.TORCH")
+        return True
+    return False
+
+
+def check_tensor(name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
+    """TypeError for a non-tensor or wrong dtype, ValueError for a wrong rank; returns ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} dtype {str(t.dtype).removeprefix('torch.')} != {want}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    device = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != device:
+            raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
+    return device
+
+
+def check_len(name: str, t: torch.Tensor, expected: int, what: str) -> None:
+    if t.shape[0] != expected:
+        raise ValueError(f"{name} length {t.shape[0]} != {what} ({expected})")
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
+
+
+def is_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_bits(n: int) -> int:
+    """Iterations a branchless binary search over ``n`` sorted entries needs."""
+    return max(int(n).bit_length(), 1)
+
+
+def searchsorted_right(sorted_ends: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Count of entries of ``sorted_ends`` that are <= each value (the owning segment index)."""
+    return torch.searchsorted(sorted_ends.contiguous(), values.contiguous(), right=True)

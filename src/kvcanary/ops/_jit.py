@@ -1,0 +1,46 @@
+"""Triton device functions shared by the kernels: the hashes of core.hashing and the
+segment lookup. Values are uint64 inside kernels and stored as int64 bit patterns."""
+
+from __future__ import annotations
+
+from kvcanary.ops._common import tl, triton
+
+
+@triton.jit
+def mix64(x):
+    """splitmix64 finaliser on uint64."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def link64(token, position):
+    """core.hashing.link on int64 inputs; returns uint64."""
+    h = mix64(token.to(tl.uint64, bitcast=True) ^ 0x6B762D63616E6172)
+    return mix64(h ^ (position.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+
+
+@triton.jit
+def find_segment(ends_ptr, idx, n, NBITS: tl.constexpr):
+    """For each ``idx``, the count of ``ends_ptr[0:n]`` entries <= idx (branchless binary search).
+
+    With ``ends_ptr = offsets + 1`` (the segment ends) this is the segment owning ``idx``;
+    ``n`` (the number of segments) means "past the last segment". Reads stay inside [0, n).
+    """
+    pos = tl.zeros_like(idx)
+    for k in tl.static_range(NBITS):
+        step = 1 << (NBITS - 1 - k)
+        probe = pos + step
+        ok = probe <= n
+        val = tl.load(ends_ptr + (probe - 1), mask=ok, other=0)
+        pos = tl.where(ok & (val <= idx), probe, pos)
+    return pos
+
+
+@triton.jit
+def seg_add(f1, v1, f2, v2):
+    """Combine of a segmented sum: a set flag on the right restarts the sum."""
+    return f1 | f2, tl.where(f2 != 0, v2, v1 + v2)

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvcanary.engine import EngineHooks, RequestStatus, SamplerKind
+from kvcanary.engine.sampler import oracle_token
+from kvcanary.runtime.batch import ForwardBatch
+
+from ._helpers import RecordingHooks, make_engine, random_prompts
+
+
+def check_batch(engine, batch: ForwardBatch) -> None:
+    """The ForwardBatch contract, checked right before the forward."""
+    bs, num_tokens = batch.batch_size, batch.num_tokens
+    assert batch.req_to_token is engine.pool.req_to_token and batch.req_to_token.dtype == torch.int32
+    for name in (
+        "req_pool_indices",
+        "prefix_lens",
+        "extend_lens",
+        "input_ids",
+        "positions",
+        "out_cache_loc",
+        "truth_ids",
+        "truth_offsets",
+    ):
+        assert getattr(batch, name).dtype == torch.int64, name
+    assert batch.prefix_lens.shape == batch.extend_lens.shape == (bs,) and len(batch.request_ids) == bs
+    assert num_tokens == int(batch.extend_lens.sum()) and batch.positions.shape == batch.out_cache_loc.shape
+    assert bool((batch.req_pool_indices > 0).all()) and bool((batch.extend_lens > 0).all())
+    starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+    offsets = batch.truth_offsets
+    assert offsets.shape == (bs + 1,) and int(offsets[0]) == 0 and int(offsets[-1]) == batch.truth_ids.numel()
+    for r in range(bs):
+        s, n, p = int(starts[r]), int(batch.extend_lens[r]), int(batch.prefix_lens[r])
+        row = int(batch.req_pool_indices[r])
+        positions = batch.positions[s : s + n]
+        assert torch.equal(positions, p + torch.arange(n))
+        assert torch.equal(batch.out_cache_loc[s : s + n], batch.req_to_token[row, positions].long())
+        truth = batch.truth_ids[int(offsets[r]) : int(offsets[r + 1])]
+        assert torch.equal(batch.input_ids[s : s + n], truth[p : p + n])
+        assert truth.tolist() == engine.requests[batch.request_ids[r]].token_ids
+    assert bool((batch.out_cache_loc >= engine.config.page_size).all()), "a write into the reserved page"
+    assert batch.out_cache_loc.unique().numel() == num_tokens, "two tokens written to one slot"
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_every_forward_batch_is_consistent(page_size):
+    hooks = RecordingHooks()
+    engine = make_engine(
+        hooks=hooks, page_size=page_size, chunk_size=7, max_tokens_per_step=30, num_slots=128
+    )
+    hooks.on_before = lambda batch: check_batch(engine, batch)
+    engine.generate(random_prompts(seed=20, num=8, prefix_len=9), 6)
+    assert hooks.names().count("before_forward") == engine.stats.num_steps > 0
+
+
+def test_hook_order_within_steps():
+    hooks = RecordingHooks()
+    engine = make_engine(hooks=hooks, num_slots=64, host_tier_slots=64, chunk_size=8)
+    shared = random_prompts(seed=21, num=4, prefix_len=10)
+    for wave in (shared[:2], random_prompts(seed=22, num=2, min_len=30, max_len=30), shared[2:]):
+        engine.generate(wave, 6)  # the filler wave pushes the shared prefix to the host
+    letter = dict(
+        before_forward="B", after_forward="A", after_step="S", on_offload="O", on_load="L", on_free="F"
+    )
+    trace = "".join(letter[name] for name in hooks.names())
+    assert re.fullmatch(r"([OLF]*BAF*S)+", trace), trace
+    assert {"O", "L", "F"} <= set(trace)
+    steps = [args[0] for name, args in hooks.events if name == "after_step"]
+    assert steps == list(range(engine.stats.num_steps))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_cache_on_equals_off(page_size):
+    prompts = random_prompts(seed=23, num=8, min_len=2, max_len=20, prefix_len=13)
+    off = make_engine(page_size=page_size, enable_prefix_cache=False)
+    on = make_engine(page_size=page_size, max_running=2)
+    assert on.generate(prompts, 8) == off.generate(prompts, 8)
+    assert on.stats.num_prefix_hit_tokens > 0 and off.stats.num_prefix_hit_tokens == 0
+    assert on.stats.num_prefill_tokens + on.stats.num_prefix_hit_tokens == off.stats.num_prefill_tokens
+    on.check_integrity()
+
+
+def test_prefix_cache_slots_describe_idle_cached_runs():
+    engine = make_engine(page_size=2, chunk_size=64)
+    finished = engine.generate(random_prompts(seed=24, num=4, prefix_len=8), 5)
+    running = engine.add_request(random_prompts(seed=24, num=1, prefix_len=8)[0] + [7], 5)
+    engine.step()
+    runs = engine.prefix_cache_slots()
+    histories = [engine.requests[i].token_ids for i in finished]
+    reader = engine.requests[running]
+    read = reader.slots[: reader.num_prefix_cached].tolist()  # locked: not an idle run
+    assert reader.num_prefix_cached >= 8
+    position_of = {slot: pos for pos, slot in enumerate(read)}
+    for slots, tokens, start, _ in runs:
+        assert slots.dtype == torch.int64 and slots.numel() == len(tokens) > 0 and start % 2 == 0
+        assert any(h[start : start + len(tokens)] == tokens for h in histories)
+        for i, slot in enumerate(slots.tolist()):
+            assert slot not in position_of, f"slot {slot} listed twice or read by a running request"
+            position_of[slot] = start + i
+    for run in runs:  # the predecessor is the slot of the previous position, cached or read
+        if run.start_position == 0:
+            assert run.prev_slot == -1
+        else:
+            assert position_of[run.prev_slot] == run.start_position - 1
+
+
+def test_recompute_quarantines_and_reprefills():
+    prompts = random_prompts(seed=25, num=3, min_len=10, max_len=20)
+    expected = make_engine().generate(prompts, 8)
+    hooks = RecordingHooks()
+    engine = make_engine(hooks=hooks)
+    ids = [engine.add_request(p, 8) for p in prompts]
+    engine.step()
+    engine.step()
+    victim = engine.requests[ids[1]]
+    bad = int(victim.slots[2])
+    engine.pool.k_buffers[0][bad].view(torch.uint8)[0, 6] ^= 0x10
+    assert engine.recompute([ids[1]], [bad]) == [ids[1]]
+    assert victim.status is RequestStatus.PREEMPTED and victim.num_cached == 0 and not victim.is_active
+    engine.check_integrity()
+    hooks.events.clear()
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+        assert all(bad not in r.slots.tolist() for r in engine.requests.values())
+    for name, args in hooks.events:  # the quarantined slot is never written or freed again
+        touched = (
+            args[0].out_cache_loc if name == "before_forward" else args[0] if name == "on_free" else None
+        )
+        assert touched is None or bad not in touched.tolist()
+    assert {i: engine.output_ids(i) for i in ids} == expected
+    assert engine.stats.num_recomputes == 1 and engine.stats.num_quarantined_slots == 1
+
+
+def test_recompute_drops_cached_nodes_and_retracts_their_readers():
+    prompts = random_prompts(seed=26, num=2, min_len=6, max_len=6, prefix_len=12)
+    engine = make_engine(chunk_size=64)
+    engine.generate(prompts[:1], 4)
+    reader = engine.add_request(prompts[1], 4)
+    engine.step()
+    assert engine.requests[reader].num_prefix_cached == 12
+    bad = int(engine.requests[reader].slots[5])  # a shared, cached prefix slot
+    assert engine.recompute([], torch.tensor([bad])) == [reader]
+    engine.check_integrity()
+    assert all(bad not in run.slots.tolist() for run in engine.prefix_cache_slots())
+    engine.run_until_done()
+    engine.check_integrity()
+    assert engine.output_ids(reader) == make_engine().generate(prompts[1:], 4)[0]
+    with pytest.raises(ValueError, match="bad_slots"):
+        engine.recompute([], [10**6])
+
+
+def test_step_results_and_idle_step():
+    engine = make_engine()
+    assert engine.step().step_index == -1
+    a = engine.add_request([5, 6, 7], 2)
+    first = engine.step()
+    assert first.step_index == 0 and first.request_ids == (a,) and list(first.new_tokens) == [a]
+    assert first.logits[a].shape == (256,) and first.finished_ids == ()
+    second = engine.step()
+    assert second.finished_ids == (a,) and engine.output_ids(a) == [first.new_tokens[a], second.new_tokens[a]]
+    assert not engine.has_unfinished and engine.stats.num_decode_tokens == 1
+    assert engine.stats.num_prefill_tokens == 3
+
+
+def test_oracle_sampler_is_a_hash_of_request_and_position():
+    prompts = random_prompts(seed=27, num=3)
+    outputs = make_engine(sampler=SamplerKind.ORACLE, chunk_size=5).generate(prompts, 6)
+    for rid, out in outputs.items():
+        n = len(prompts[rid])
+        assert out == [oracle_token(rid, n + i, 256) for i in range(6)]
+    assert len({t for out in outputs.values() for t in out}) > 6
+
+
+def test_default_hooks_are_no_ops():
+    hooks = EngineHooks()
+    assert make_engine(hooks=hooks).hooks is hooks
+    assert make_engine().generate([[1, 2, 3]], 3) == make_engine(hooks=hooks).generate([[1, 2, 3]], 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_cpu():
+    prompts = random_prompts(seed=28, num=6, prefix_len=10)
+    cpu = make_engine(page_size=4, host_tier_slots=64, num_slots=128).generate(prompts, 8)
+    engine = make_engine(page_size=4, host_tier_slots=64, num_slots=128, device="cuda")
+    assert engine.pool.host_k.is_pinned() and engine.pool.k_buffers[0].is_cuda
+    assert engine.generate(prompts, 8) == cpu
+    engine.check_integrity()
