@@ -59,7 +59,7 @@ class Reason(enum.IntFlag):
             try:
                 out |= cls[part.upper()]
             except KeyError:
-                raise ValueError(f"unknown reason {part!r}; expected one of {[r.name.lower() for r in cls]}")
+                raise ValueError(f"unknown reason {part!r}; expected one of {[r.name.lower() for r in cls]}") from None
         return out
 
 

@@ -44,3 +44,23 @@ def find_segment(ends_ptr, idx, n, NBITS: tl.constexpr):
 def seg_add(f1, v1, f2, v2):
     """Combine of a segmented sum: a set flag on the right restarts the sum."""
     return f1 | f2, tl.where(f2 != 0, v2, v1 + v2)
+
+
+@triton.jit
+def append_violations(ring_ptr, counter_ptr, capacity, bad, tag, slot, stored_pos, stored_tok, expected_tok,
+                      stored_val, expected_val, reasons):
+    """Append one 8-int64 row per lane where ``bad`` to the fill-once ring: one atomic add per
+    program claims a run of rows; rows at index >= capacity are dropped but stay counted."""
+    n_bad = tl.sum(bad.to(tl.int64), 0)
+    base = tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
+    idx = base + tl.cumsum(bad.to(tl.int64), 0) - 1
+    ok = bad & (idx < capacity)
+    row = ring_ptr + idx * 8
+    tl.store(row + 0, tl.zeros_like(idx) + tag, mask=ok)
+    tl.store(row + 1, slot.to(tl.int64), mask=ok)
+    tl.store(row + 2, stored_pos.to(tl.int64), mask=ok)
+    tl.store(row + 3, stored_tok.to(tl.int64), mask=ok)
+    tl.store(row + 4, expected_tok.to(tl.int64), mask=ok)
+    tl.store(row + 5, stored_val.to(tl.int64, bitcast=True), mask=ok)
+    tl.store(row + 6, expected_val.to(tl.int64, bitcast=True), mask=ok)
+    tl.store(row + 7, reasons.to(tl.int64), mask=ok)

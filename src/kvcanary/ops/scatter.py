@@ -21,8 +21,19 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.ops._common import (Backend, cdiv, check_contiguous, check_same_device, check_tensor, is_host,
-                                  num_bits, searchsorted_right, tl, triton, use_triton)
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_contiguous,
+    check_same_device,
+    check_tensor,
+    is_host,
+    num_bits,
+    searchsorted_right,
+    tl,
+    triton,
+    use_triton,
+)
 from kvcanary.ops._jit import find_segment
 
 ERR_OFFSETS = 1

@@ -1,0 +1,239 @@
+"""fingerprint: a 64-bit hash of the real K/V bytes of slots, from up to 4 KV sources.
+
+A KV source is one buffer of the pool (say layer 0's K) seen as int32 words. Slot s starts at
+byte ``(s // page_size) * page_stride + (s % page_size) * bytes_per_token``; token-major layouts
+(``[num_slots, heads, dim]`` or ``[num_pages, page_size, heads, dim]``) have
+``page_stride = page_size * bytes_per_token``. Rows are 16-byte aligned.
+
+The fold reads ``words`` int32 words per row (mode PARTIAL: the first 16 bytes; ALL: the whole
+row) and is a sum, so every word is independent and a row is read at memory speed::
+
+    acc_i = sum_w uint32(word_w) * K_w   (mod 2**64),   K_w = (2w + 1) * GOLDEN   (odd)
+    fp    = h_n,  h_0 = FP_SEED,  h_{i+1} = splitmix64(h_i ^ (acc_i + (i + 1) * GOLDEN))
+
+A change inside one word changes acc by d * K_w with K_w odd, so any single-word change (every
+bit flip) is always caught; multi-word changes collide with probability about 2**-64.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.core.hashing import GOLDEN, MASK64, to_signed
+from kvcanary.core.record import FINGERPRINT, RECORD_BYTES, Half, record_words
+from kvcanary.ops._common import Backend, cdiv, check_same_device, check_tensor, tl, triton, use_triton
+from kvcanary.ops._jit import mix64
+
+FP_SEED = 0x66696E6765727072  # "fingerpr"
+MAX_SOURCES = 4
+PARTIAL_BYTES = 16
+
+
+class FingerprintMode(enum.IntEnum):
+    NONE = 0
+    PARTIAL = 1
+    ALL = 2
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """One buffer of the pool as int32 words (``words``: a 1-D int32 view sharing storage)."""
+
+    words: torch.Tensor
+    num_slots: int
+    bytes_per_token: int
+    page_size: int = 1
+    page_stride_bytes: int = 0
+    half: Half = Half.K
+    layer: int = 0
+
+    def __post_init__(self):
+        check_tensor("KVSource.words", self.words, torch.int32, 1)
+        if self.bytes_per_token <= 0 or self.bytes_per_token % 16:
+            raise ValueError(f"bytes_per_token {self.bytes_per_token} must be a positive multiple of 16")
+        if self.page_size < 1:
+            raise ValueError(f"page_size {self.page_size} < 1")
+        stride = self.page_stride_bytes or self.page_size * self.bytes_per_token
+        if stride % 16 or stride < self.page_size * self.bytes_per_token:
+            raise ValueError(f"page_stride_bytes {stride} must be a multiple of 16 and >= page_size * "
+                             f"bytes_per_token ({self.page_size * self.bytes_per_token})")
+        if self.words.data_ptr() % 16:
+            raise ValueError("KV source storage is not 16-byte aligned; pass the pool buffer itself, not an offset view")
+        last = (self.num_slots - 1) // self.page_size * stride + (self.num_slots - 1) % self.page_size * \
+            self.bytes_per_token + self.bytes_per_token
+        if last > self.words.numel() * 4:
+            raise ValueError(f"KV source holds {self.words.numel() * 4} bytes, but {self.num_slots} slots need {last}")
+
+    @property
+    def page_stride(self) -> int:
+        return self.page_stride_bytes or self.page_size * self.bytes_per_token
+
+    def words_read(self, mode: FingerprintMode) -> int:
+        if mode is FingerprintMode.NONE:
+            return 0
+        n = PARTIAL_BYTES if mode is FingerprintMode.PARTIAL else self.bytes_per_token
+        return min(n, self.bytes_per_token) // 4
+
+    @classmethod
+    def from_buffer(cls, buffer: torch.Tensor, page_size: int = 1, half: Half = Half.K, layer: int = 0) -> KVSource:
+        """A source over a contiguous token-major buffer ``[num_slots, ...]`` or ``[num_pages, page_size, ...]``."""
+        if not buffer.is_contiguous():
+            raise ValueError(f"KV buffer must be contiguous, got strides {buffer.stride()}")
+        paged = page_size > 1 and buffer.dim() >= 2 and buffer.shape[1] == page_size
+        num_slots = buffer.shape[0] * (page_size if paged else 1)
+        nbytes = buffer.numel() * buffer.element_size()
+        if num_slots == 0 or nbytes % num_slots:
+            raise ValueError(f"KV buffer of shape {tuple(buffer.shape)} does not split into {num_slots} token rows")
+        return cls(buffer.view(-1).view(torch.uint8).view(torch.int32), num_slots, nbytes // num_slots, page_size,
+                   0, half, layer)
+
+
+def validate_sources(sources, num_slots: int, device: torch.device) -> None:
+    if len(sources) > MAX_SOURCES:
+        raise ValueError(f"{len(sources)} KV sources > {MAX_SOURCES}; cover fewer layers per fingerprint group")
+    for i, src in enumerate(sources):
+        if not isinstance(src, KVSource):
+            raise TypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
+        if src.words.device != device:
+            raise ValueError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
+        if src.num_slots < num_slots:
+            raise ValueError(f"sources[{i}] covers {src.num_slots} slots < the canary's {num_slots}")
+
+
+# --- torch ---------------------------------------------------------------------------------
+
+def _word_keys(n: int, device) -> torch.Tensor:
+    w = torch.arange(n, dtype=torch.int64, device=device)
+    return (2 * w + 1) * to_signed(GOLDEN)
+
+
+def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> torch.Tensor:
+    """Fingerprint of each slot (int64[n]); slots must be valid (the caller masks)."""
+    from kvcanary.core.hashing import splitmix64_torch
+
+    h = torch.full(slots.shape, to_signed(FP_SEED), dtype=torch.int64, device=slots.device)
+    s = slots.to(torch.int64)
+    for i, src in enumerate(sources):
+        nw = src.words_read(mode)
+        base = (s // src.page_size) * (src.page_stride // 4) + (s % src.page_size) * (src.bytes_per_token // 4)
+        idx = base[:, None] + torch.arange(nw, device=s.device)[None, :]
+        words = src.words[idx].to(torch.int64) & 0xFFFFFFFF
+        acc = (words * _word_keys(nw, s.device)[None, :]).sum(dim=1)
+        h = splitmix64_torch(h ^ (acc + to_signed(((i + 1) * GOLDEN) & MASK64)))
+    return h
+
+
+# --- triton --------------------------------------------------------------------------------
+
+@triton.jit
+def _source_acc(words_ptr, slot, ok, page_size, page_stride_w, token_w, n_words, BLOCK_S: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    base = (slot // page_size) * page_stride_w + (slot % page_size) * token_w
+    acc = tl.zeros((BLOCK_S,), dtype=tl.uint64)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+        m = ok[:, None] & (w < n_words)[None, :]
+        x = tl.load(words_ptr + base[:, None] + w[None, :], mask=m, other=0)
+        key = (2 * w + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        acc += tl.sum(x.to(tl.uint32, bitcast=True).to(tl.uint64) * key[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Fingerprint (uint64[BLOCK_S]) of ``slot`` lanes where ``ok``; ``meta_ptr`` holds per source
+    (page_size, page_stride_words, token_words, words_read) as int64[4, 4]."""
+    h = tl.full((BLOCK_S,), 0x66696E6765727072, dtype=tl.uint64)
+    for i in tl.static_range(NUM_SOURCES):
+        ptr = w0_ptr
+        if i == 1:
+            ptr = w1_ptr
+        if i == 2:
+            ptr = w2_ptr
+        if i == 3:
+            ptr = w3_ptr
+        acc = _source_acc(ptr, slot, ok, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1),
+                          tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3), BLOCK_S, BLOCK_W)
+        h = mix64(h ^ (acc + (i + 1) * 0x9E3779B97F4A7C15))
+    return h
+
+
+def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
+    """The int64[4, 4] table the kernels read: per source (page_size, page_stride_words,
+    token_words, words_read). Build it once and pass it as ``meta`` inside CUDA graphs."""
+    meta = torch.zeros(MAX_SOURCES, 4, dtype=torch.int64)
+    for i, src in enumerate(sources):
+        meta[i] = torch.tensor([src.page_size, src.page_stride // 4, src.bytes_per_token // 4, src.words_read(mode)])
+    return meta.to(device)
+
+
+def source_words(sources, fallback: torch.Tensor) -> list[torch.Tensor]:
+    """The four word tensors a kernel takes; unused ones repeat a valid tensor (never read)."""
+    ptrs = [src.words for src in sources] or [fallback]
+    return ptrs + [ptrs[0]] * (MAX_SOURCES - len(ptrs))
+
+
+@triton.jit
+def _fingerprint_kernel(slots_ptr, out_ptr, words_ptr, n, num_slots, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                        RECORD: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
+    """Program p fingerprints slots[p*BLOCK_S : (p+1)*BLOCK_S]; invalid slots (<= 0 or >= num_slots)
+    yield 0 and are not recorded. With RECORD, word 3 of each valid slot's record gets the value."""
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    live = i < n
+    slot = tl.load(slots_ptr + i, mask=live, other=0)
+    ok = live & (slot > 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0)
+    h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK_S, BLOCK_W)
+    fp = tl.where(ok, h.to(tl.int64, bitcast=True), 0)
+    tl.store(out_ptr + i, fp, mask=live)
+    if RECORD:
+        tl.store(words_ptr + slot * 4 + 3, fp, mask=ok)
+
+
+def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, out: torch.Tensor | None = None,
+                canary: torch.Tensor | None = None, record: bool = False, meta: torch.Tensor | None = None,
+                backend: Backend = Backend.AUTO) -> torch.Tensor:
+    """Fingerprint ``slots`` (int64[n]) into ``out`` (int64[n]); with ``record``, also store each
+    valid slot's value in its canary record. Slots <= 0 or >= num_slots give 0 and are skipped.
+
+    ``num_slots`` comes from ``canary`` (uint8[num_slots, 32]), which is required. Mode NONE
+    writes zeros. ``meta`` may pass a preallocated table from ``source_args`` (CUDA graphs).
+    Raises TypeError/ValueError for wrong dtypes, shapes, devices or sources.
+    """
+    check_tensor("slots", slots, torch.int64, 1)
+    check_tensor("canary", canary, torch.uint8, 2)
+    if canary.shape[1] != RECORD_BYTES:
+        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+    if not isinstance(mode, FingerprintMode):
+        raise TypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    if out is None:
+        out = torch.empty_like(slots)
+    check_tensor("out", out, torch.int64, 1)
+    device = check_same_device(slots=slots, canary=canary, out=out)
+    sources = list(sources) if mode is not FingerprintMode.NONE else []
+    validate_sources(sources, canary.shape[0], device)
+    n, num_slots = slots.shape[0], canary.shape[0]
+    ok = None
+    if not sources:  # mode NONE: the recorded fingerprint is 0
+        out.zero_()
+    elif use_triton(backend, device):
+        meta = source_meta(sources, mode, device) if meta is None else meta
+        block_s, block_w = (16, 128) if mode is FingerprintMode.ALL else (128, 4)
+        _fingerprint_kernel[(max(cdiv(n, block_s), 1),)](
+            slots, out, record_words(canary), n, num_slots, *source_words(sources, slots), meta, RECORD=record,
+            NUM_SOURCES=len(sources), BLOCK_S=block_s, BLOCK_W=block_w, num_warps=4)
+        return out
+    else:
+        ok = (slots > 0) & (slots < num_slots)
+        fp = fingerprint_torch(torch.where(ok, slots, torch.zeros_like(slots)), sources, mode)
+        out.copy_(torch.where(ok, fp, torch.zeros_like(fp)))
+    if record:
+        ok = (slots > 0) & (slots < num_slots) if ok is None else ok
+        record_words(canary)[slots[ok], FINGERPRINT] = out[ok]
+    return out

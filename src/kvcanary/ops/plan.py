@@ -1,0 +1,288 @@
+"""build_plan: from a forward's page table to a fixed-capacity verify plan and a write plan.
+
+Verify plan (one entry per prefix slot a request reads; capacity fixed at allocation):
+
+| buffer    | dtype / shape   | entry e of request r at position p                          |
+|-----------|-----------------|-------------------------------------------------------------|
+| slot      | int32[cap]      | T(req_to_token[row, p]); -1 = unresolvable (reported)       |
+| pred      | int32[cap]      | T(req_to_token[row, p-1]) for p > 0, else -1                |
+| position  | int32[cap]      | p                                                           |
+| token     | int32[cap]      | truth[row, p] when known, else -1                           |
+| count     | int64[1]        | entries requested (may exceed cap)                          |
+| enable    | int32[1]        | 1 when count <= cap; 0 disables this step's verify          |
+| overflow  | int64[1]        | steps whose verify was disabled by overflow (cumulative)    |
+
+Request r reads positions [lo, P) with P = clamp(prefix_lens[r], 0, max_ctx) and lo = 0, or
+lo = max(P - window, 0) with a sliding window. Padding requests (row 0) read nothing. Entries
+are request after request (``verify_offsets``); entries at index >= min(count, cap) are left as
+they were. ``T`` maps a page-table slot to the pool's slot: the identity, or ``lut[slot]`` for
+a sliding-window pool; a result of 0 (padding slot or evicted from the window) or a slot outside
+the LUT becomes -1, which ``verify`` reports.
+
+Write plan: ``write_offsets`` int64[bs+1] (exclusive sum of extend_lens: request r writes tokens
+[off[r], off[r+1])) and ``seed`` int64[bs] (T of the last prefix slot, or -1 for a sequence
+head or padding), from which ``stamp`` continues the chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_len,
+    check_same_device,
+    check_tensor,
+    is_host,
+    num_bits,
+    searchsorted_right,
+    tl,
+    triton,
+    use_triton,
+)
+from kvcanary.ops._jit import find_segment
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Preallocated plan buffers; fill with ``build_plan``. ``max_bs`` bounds the batch size."""
+
+    slot: torch.Tensor
+    pred: torch.Tensor
+    position: torch.Tensor
+    token: torch.Tensor
+    count: torch.Tensor
+    enable: torch.Tensor
+    overflow: torch.Tensor
+    verify_offsets: torch.Tensor
+    write_offsets: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
+        if capacity < 1:
+            raise ValueError(f"plan capacity {capacity} < 1")
+        if max_bs < 1:
+            raise ValueError(f"plan max_bs {max_bs} < 1")
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(capacity, **i32), torch.full((capacity,), -1, **i32), torch.zeros(capacity, **i32),
+                   torch.full((capacity,), -1, **i32), torch.zeros(1, **i64), torch.zeros(1, **i32),
+                   torch.zeros(1, **i64), torch.zeros(max_bs + 1, **i64), torch.zeros(max_bs + 1, **i64),
+                   torch.full((max_bs,), -1, **i64))
+
+    @property
+    def capacity(self) -> int:
+        return self.slot.shape[0]
+
+    @property
+    def max_bs(self) -> int:
+        return self.seed.shape[0]
+
+
+def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
+    check_tensor("req_pool_indices", req_pool_indices, torch.int64, 1)
+    check_tensor("prefix_lens", prefix_lens, torch.int64, 1)
+    check_tensor("extend_lens", extend_lens, torch.int64, 1)
+    check_tensor("req_to_token", req_to_token, torch.int32, 2)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
+    if (truth is None) != (truth_lens is None):
+        raise ValueError("truth and truth_lens go together: pass both or neither")
+    if truth is not None:
+        check_tensor("truth", truth, torch.int32, 2)
+        check_tensor("truth_lens", truth_lens, torch.int64, 1)
+    if lut is not None:
+        check_tensor("lut", lut, torch.int64, 1)
+    if window < 0:
+        raise ValueError(f"window {window} < 0; use 0 for full attention")
+    device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                               req_to_token=req_to_token, plan=plan.slot, truth=truth, truth_lens=truth_lens, lut=lut)
+    bs = req_pool_indices.shape[0]
+    check_len("prefix_lens", prefix_lens, bs, "bs")
+    check_len("extend_lens", extend_lens, bs, "bs")
+    if truth_lens is not None:
+        check_len("truth_lens", truth_lens, bs, "bs")
+    if bs > plan.max_bs:
+        raise ValueError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
+    if is_host(req_pool_indices):
+        rows, max_ctx = req_to_token.shape
+        for name, bad in (("req_pool_indices", (req_pool_indices < 0) | (req_pool_indices >= rows)),
+                          ("prefix_lens", prefix_lens < 0), ("extend_lens", extend_lens < 0),
+                          ("prefix_lens + extend_lens", prefix_lens + extend_lens > max_ctx)):
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0])
+                raise ValueError(f"{name}[{i}] out of range (req_pool_indices {int(req_pool_indices[i])}, "
+                                 f"prefix_lens {int(prefix_lens[i])}, extend_lens {int(extend_lens[i])}; "
+                                 f"rows {rows}, max_ctx {max_ctx})")
+        if truth is not None and truth.shape[0] != rows:
+            raise ValueError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
+    return device
+
+
+def _translate_torch(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
+    s = slots.to(torch.int64)
+    if lut is not None:
+        ok = (s >= 0) & (s < lut.shape[0])
+        s = torch.where(ok, lut[s.clamp(0, max(lut.shape[0] - 1, 0))], torch.full_like(s, -1))
+    return torch.where(s == 0, torch.full_like(s, -1), s)
+
+
+def _plan_torch(rpi, prefix_lens, extend_lens, rtt, plan, truth, truth_lens, lut, window):
+    bs = rpi.shape[0]
+    rows, max_ctx = rtt.shape
+    cap = plan.capacity
+    active = (rpi >= 1) & (rpi < rows)
+    row = rpi.clamp(0, rows - 1)
+    p_end = prefix_lens.clamp(0, max_ctx)
+    lo = (p_end - window).clamp(min=0) if window else torch.zeros_like(p_end)
+    n = torch.where(active, p_end - lo, torch.zeros_like(p_end))
+    voff = plan.verify_offsets[: bs + 1]
+    voff[0] = 0
+    torch.cumsum(n, 0, out=voff[1:])
+    woff = plan.write_offsets[: bs + 1]
+    woff[0] = 0
+    torch.cumsum(extend_lens.clamp(min=0), 0, out=woff[1:])
+    last = rtt[row, (p_end - 1).clamp(min=0)]
+    plan.seed[:bs] = torch.where(active & (p_end > 0), _translate_torch(last, lut), torch.full_like(row, -1))
+    total = voff[bs] if bs else torch.zeros((), dtype=torch.int64, device=rpi.device)
+    fits = total <= cap
+    plan.count.fill_(total)
+    plan.enable.copy_(fits.to(torch.int32).reshape(1))
+    plan.overflow.add_((~fits).to(torch.int64))
+    m = min(int(total), cap)
+    if m == 0:
+        return
+    e = torch.arange(m, device=rpi.device)
+    r = searchsorted_right(voff[1:], e)
+    p = lo[r] + (e - voff[r])
+    rr = row[r]
+    plan.slot[:m] = _translate_torch(rtt[rr, p], lut).to(torch.int32)
+    pred = _translate_torch(rtt[rr, (p - 1).clamp(min=0)], lut)
+    plan.pred[:m] = torch.where(p > 0, pred, torch.full_like(pred, -1)).to(torch.int32)
+    plan.position[:m] = p.to(torch.int32)
+    if truth is not None:
+        tw = truth.shape[1]
+        known = (p < truth_lens[r]) & (p < tw)
+        tok = truth[rr, p.clamp(max=tw - 1)]
+        plan.token[:m] = torch.where(known, tok, torch.full_like(tok, -1))
+    else:
+        plan.token[:m] = -1
+
+
+@triton.jit
+def _translate(s, lut_ptr, lut_len, HAS_LUT: tl.constexpr):
+    s = s.to(tl.int64)
+    if HAS_LUT:
+        ok = (s >= 0) & (s < lut_len)
+        s = tl.where(ok, tl.load(lut_ptr + s, mask=ok, other=-1), -1)
+    return tl.where(s == 0, -1, s)
+
+
+@triton.jit
+def _plan_offsets_kernel(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, voff_ptr, woff_ptr, seed_ptr,
+                         count_ptr, enable_ptr, overflow_ptr, bs, rows, max_ctx, rtt_stride, lut_len, window, cap,
+                         HAS_LUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program scans the batch in BLOCK-wide chunks: exclusive sums of verify lengths and
+    extend lengths with a running carry, seed slots, then count / enable / overflow."""
+    vcarry = tl.zeros((), dtype=tl.int64)
+    wcarry = tl.zeros((), dtype=tl.int64)
+    for s in range(0, bs, BLOCK):
+        j = s + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < bs
+        row = tl.load(rpi_ptr + j, mask=m, other=0)
+        active = m & (row >= 1) & (row < rows)
+        row = tl.minimum(tl.maximum(row, 0), rows - 1)
+        p_end = tl.minimum(tl.maximum(tl.load(prefix_ptr + j, mask=m, other=0), 0), max_ctx)
+        lo = tl.zeros_like(p_end)
+        if window > 0:
+            lo = tl.maximum(p_end - window, 0)
+        n = tl.where(active, p_end - lo, 0)
+        ext = tl.maximum(tl.load(extend_ptr + j, mask=m, other=0), 0)
+        tl.store(voff_ptr + j, vcarry + tl.cumsum(n, 0) - n, mask=m)
+        tl.store(woff_ptr + j, wcarry + tl.cumsum(ext, 0) - ext, mask=m)
+        last = tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p_end - 1, 0), mask=active, other=0)
+        seed = tl.where(active & (p_end > 0), _translate(last, lut_ptr, lut_len, HAS_LUT), -1)
+        tl.store(seed_ptr + j, seed, mask=m)
+        vcarry += tl.sum(n, 0)
+        wcarry += tl.sum(ext, 0)
+    tl.store(voff_ptr + bs, vcarry)
+    tl.store(woff_ptr + bs, wcarry)
+    tl.store(count_ptr, vcarry)
+    fits = vcarry <= cap
+    tl.store(enable_ptr, fits.to(tl.int32))
+    tl.store(overflow_ptr, tl.load(overflow_ptr) + (1 - fits.to(tl.int64)))
+
+
+@triton.jit
+def _plan_entries_kernel(rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, voff_ptr, count_ptr,
+                         slot_ptr, pred_ptr, pos_ptr, tok_ptr, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
+                         truth_width, window, cap, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
+                         NBITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Persistent grid over entries e < min(count, cap): binary-search the request r owning e,
+    p = lo[r] + e - voff[r], then resolve slot, predecessor and truth token."""
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    limit = tl.minimum(tl.load(count_ptr), cap)
+    for base in range(pid * BLOCK, limit, nprog * BLOCK):
+        e = base + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < limit
+        r = find_segment(voff_ptr + 1, e, bs, NBITS)
+        m = m & (r < bs)
+        row = tl.minimum(tl.maximum(tl.load(rpi_ptr + r, mask=m, other=0), 0), rows - 1)
+        p_end = tl.minimum(tl.maximum(tl.load(prefix_ptr + r, mask=m, other=0), 0), max_ctx)
+        lo = tl.zeros_like(p_end)
+        if window > 0:
+            lo = tl.maximum(p_end - window, 0)
+        p = lo + e - tl.load(voff_ptr + r, mask=m, other=0)
+        p = tl.minimum(tl.maximum(p, 0), max_ctx - 1)
+        slot = _translate(tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0), lut_ptr, lut_len, HAS_LUT)
+        prev = _translate(tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p - 1, 0), mask=m, other=0),
+                          lut_ptr, lut_len, HAS_LUT)
+        prev = tl.where(p > 0, prev, -1)
+        tok = tl.full((BLOCK,), -1, dtype=tl.int32)
+        if HAS_TRUTH:
+            tlen = tl.load(tlen_ptr + r, mask=m, other=0)
+            known = m & (p < tlen) & (p < truth_width)
+            tok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1)
+        tl.store(slot_ptr + e, slot.to(tl.int32), mask=m)
+        tl.store(pred_ptr + e, prev.to(tl.int32), mask=m)
+        tl.store(pos_ptr + e, p.to(tl.int32), mask=m)
+        tl.store(tok_ptr + e, tok, mask=m)
+
+
+def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+               req_to_token: torch.Tensor, plan: Plan, truth: torch.Tensor | None = None,
+               truth_lens: torch.Tensor | None = None, lut: torch.Tensor | None = None, window: int = 0,
+               max_programs: int = 1024, backend: Backend = Backend.AUTO) -> Plan:
+    """Fill ``plan`` in place for one forward (see module doc) and return it.
+
+    Raises TypeError for wrong dtypes, ValueError for wrong ranks/lengths, a batch larger than
+    ``plan.max_bs``, a negative window, and (host tensors only) rows or lengths out of range.
+    """
+    device = validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens,
+                           lut, window)
+    if use_triton(backend, device):
+        bs = req_pool_indices.shape[0]
+        rows, max_ctx = req_to_token.shape
+        lut_t = lut if lut is not None else plan.seed
+        lut_len = lut.shape[0] if lut is not None else 0
+        truth_t = truth if truth is not None else req_to_token
+        tlen_t = truth_lens if truth_lens is not None else prefix_lens
+        block = 1024
+        _plan_offsets_kernel[(1,)](
+            req_pool_indices, prefix_lens, extend_lens, req_to_token, lut_t, plan.verify_offsets, plan.write_offsets,
+            plan.seed, plan.count, plan.enable, plan.overflow, bs, rows, max_ctx, req_to_token.stride(0), lut_len,
+            window, plan.capacity, HAS_LUT=lut is not None, BLOCK=block, num_warps=4)
+        grid = max(1, min(cdiv(plan.capacity, block), max_programs))
+        _plan_entries_kernel[(grid,)](
+            req_pool_indices, prefix_lens, req_to_token, lut_t, truth_t, tlen_t, plan.verify_offsets, plan.count,
+            plan.slot, plan.pred, plan.position, plan.token, bs, rows, max_ctx, req_to_token.stride(0), lut_len,
+            truth_t.stride(0), truth_t.shape[1], window, plan.capacity, HAS_LUT=lut is not None,
+            HAS_TRUTH=truth is not None, NBITS=num_bits(bs), BLOCK=block, num_warps=4)
+    else:
+        _plan_torch(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window)
+    return plan

@@ -1,0 +1,206 @@
+"""stamp: write (token, position, chain, 0) into the canary record of every slot a forward writes.
+
+| argument          | dtype / shape        | meaning                                               |
+|-------------------|----------------------|-------------------------------------------------------|
+| canary            | uint8[num_slots, 32] | records, written in place                             |
+| out_cache_loc     | int64[T]             | slot per written token (translated through lut)       |
+| input_ids         | int64[T]             | token written                                         |
+| positions         | int64[T]             | position written                                      |
+| req_pool_indices  | int64[bs]            | row 0 = padding request: not stamped, not checked     |
+| prefix_lens       | int64[bs]            | position of request r's first written token           |
+| write_offsets     | int64[bs+1]          | from build_plan: request r writes [off[r], off[r+1])  |
+| seed              | int64[bs]            | from build_plan: the last prefix slot, or -1          |
+| expected_tokens   | int64[T] or None     | from gather_expected_tokens: enables WRITE_TOKEN      |
+
+The chain is a segmented exclusive scan: for token j of request r,
+``chain = base[r] + sum_{i<j} link(input_ids[off+i], positions[off+i])`` with
+``base[r] = chain[seed] + link(token[seed], position[seed])``, or ANCHOR when there is no seed.
+Checks: WRITE_POSITION when ``positions[t] != prefix_lens[r] + j`` or (j == 0) the seed's stored
+position + 1 differs; WRITE_TOKEN when ``input_ids[t] != expected_tokens[t]``. Violations go to the
+ring with the written position/token as the stored fields. Slots <= 0 or >= num_slots are
+skipped. ``stats[tag, STAMPED]`` counts stamped slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.core.hashing import ANCHOR_S, link_torch
+from kvcanary.core.record import CHAIN, POSITION, RECORD_BYTES, STAT_STAMPED, TOKEN, Reason, record_words
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_contiguous,
+    check_len,
+    check_same_device,
+    check_tensor,
+    num_bits,
+    searchsorted_right,
+    tl,
+    triton,
+    use_triton,
+)
+from kvcanary.ops._jit import append_violations, find_segment, link64, seg_add
+from kvcanary.ops._ring import append_violations_torch, validate_ring
+from kvcanary.ops.gather import validate_offsets
+from kvcanary.ops.plan import _translate, _translate_torch
+
+WRITE_TOKEN = int(Reason.WRITE_TOKEN)
+WRITE_POSITION = int(Reason.WRITE_POSITION)
+
+
+def validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
+                   seed, expected_tokens, lut, ring, ring_counter, stats, tag):
+    check_tensor("canary", canary, torch.uint8, 2)
+    if canary.shape[1] != RECORD_BYTES:
+        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
+                    ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("write_offsets", write_offsets), ("seed", seed)):
+        check_tensor(name, t, torch.int64, 1)
+    if expected_tokens is not None:
+        check_tensor("expected_tokens", expected_tokens, torch.int64, 1)
+    if lut is not None:
+        check_tensor("lut", lut, torch.int64, 1)
+    validate_ring(ring, ring_counter, stats, tag)
+    device = check_same_device(canary=canary, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
+                               req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+                               write_offsets=write_offsets, seed=seed, expected_tokens=expected_tokens, lut=lut,
+                               ring=ring)
+    n, bs = input_ids.shape[0], req_pool_indices.shape[0]
+    check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
+    check_len("positions", positions, n, "len(input_ids)")
+    if expected_tokens is not None:
+        check_len("expected_tokens", expected_tokens, n, "len(input_ids)")
+    check_len("prefix_lens", prefix_lens, bs, "bs")
+    check_len("seed", seed, bs, "bs")
+    validate_offsets("write_offsets", write_offsets, bs, n)
+    return device
+
+
+def _stamp_torch(canary, loc, ids, pos, rpi, prefix_lens, woff, seed, expected, lut, ring, counter, stats, tag):
+    n, bs, num_slots = ids.shape[0], rpi.shape[0], canary.shape[0]
+    if n == 0 or bs == 0:
+        return
+    words = record_words(canary)
+    t = torch.arange(n, device=ids.device)
+    r = searchsorted_right(woff[1:], t)
+    has = r < bs
+    rc = r.clamp(max=bs - 1)
+    start = woff[rc]
+    j = t - start
+    lk = torch.where(has, link_torch(ids, pos), torch.zeros_like(ids))
+    incl = torch.cumsum(lk, 0)  # int64 wraps: a global scan; subtract the sum before each segment start
+    excl = incl - lk - torch.where(start > 0, incl[(start - 1).clamp(min=0)], torch.zeros_like(incl))
+    s = seed[rc]
+    seed_ok = has & (s > 0) & (s < num_slots)
+    srec = words[torch.where(seed_ok, s, torch.zeros_like(s))]
+    base = torch.where(seed_ok, srec[:, CHAIN] + link_torch(srec[:, TOKEN], srec[:, POSITION]),
+                       torch.full_like(s, ANCHOR_S))
+    chain = base + excl
+    slot = _translate_torch(loc, lut) if lut is not None else loc
+    real = has & (rpi[rc] != 0)
+    ok = real & (slot > 0) & (slot < num_slots)
+    exp_pos = prefix_lens[rc] + j
+    seed_pos_bad = seed_ok & (j == 0) & (srec[:, POSITION] + 1 != pos)
+    pos_bad = real & ((pos != exp_pos) | seed_pos_bad)
+    exp_pos = torch.where(pos != exp_pos, exp_pos, srec[:, POSITION] + 1)
+    exp_tok = expected if expected is not None else ids
+    tok_bad = real & (ids != exp_tok)
+    reasons = pos_bad.to(torch.int64) * WRITE_POSITION + tok_bad.to(torch.int64) * WRITE_TOKEN
+    stored = torch.where(pos_bad, pos, ids)
+    want = torch.where(pos_bad, exp_pos, exp_tok)
+    # read every seed before writing: a seed inside this forward's writes is a bug the kernel races on
+    words[slot[ok]] = torch.stack([ids, pos, chain, torch.zeros_like(ids)], dim=1)[ok]
+    append_violations_torch(ring, counter, reasons != 0, tag, [slot, pos, ids, exp_tok, stored, want, reasons])
+    stats[tag, STAT_STAMPED] += ok.sum()
+
+
+@triton.jit
+def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, woff_ptr, seed_ptr, exp_ptr, lut_ptr,
+                  ring_ptr, counter_ptr, stats_ptr, n, bs, num_slots, lut_len, ring_cap, tag,
+                  HAS_EXPECTED: tl.constexpr, HAS_LUT: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p stamps tokens [p*BLOCK, (p+1)*BLOCK). The chain is a segmented scan inside the
+    block (flag = segment start or lane 0) plus, for the segment already open at the block start,
+    a carry: the links of that segment's tokens before the block, summed by re-reading them."""
+    pid = tl.program_id(0).to(tl.int64)
+    block_start = pid * BLOCK
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    t = block_start + lane
+    live = t < n
+    r = find_segment(woff_ptr + 1, t, bs, NBITS)
+    has = live & (r < bs)
+    start = tl.load(woff_ptr + r, mask=has, other=0)
+    ids = tl.load(ids_ptr + t, mask=live, other=0)
+    pos = tl.load(pos_ptr + t, mask=live, other=0)
+    lk = tl.where(has, link64(ids, pos), 0)
+    flag = ((t == start) | (lane == 0)).to(tl.int32)
+    _, incl = tl.associative_scan((flag, lk), 0, seg_add)
+    excl = incl - lk
+    # carry for the segment open at block_start (r at lane 0 is the smallest r in the block)
+    r0 = tl.min(r, 0)
+    s0 = tl.load(woff_ptr + tl.minimum(r0, bs), mask=r0 < bs, other=block_start)
+    carry = tl.zeros((), dtype=tl.uint64)
+    for b in range(s0, block_start, BLOCK):
+        tt = b + lane
+        mm = tt < block_start
+        carry += tl.sum(tl.where(mm, link64(tl.load(ids_ptr + tt, mask=mm, other=0),
+                                            tl.load(pos_ptr + tt, mask=mm, other=0)), 0), 0)
+    excl += tl.where((r == r0) & (s0 < block_start), carry, 0)
+    s = tl.load(seed_ptr + r, mask=has, other=-1)
+    seed_ok = has & (s > 0) & (s < num_slots)
+    s = tl.where(seed_ok, s, 0)
+    s_tok = tl.load(words_ptr + s * 4 + 0, mask=seed_ok, other=0)
+    s_pos = tl.load(words_ptr + s * 4 + 1, mask=seed_ok, other=0)
+    s_chain = tl.load(words_ptr + s * 4 + 2, mask=seed_ok, other=0).to(tl.uint64, bitcast=True)
+    base = tl.where(seed_ok, s_chain + link64(s_tok, s_pos), 0x4B5643414E415259)
+    chain = base + excl
+    slot = tl.load(loc_ptr + t, mask=live, other=0)
+    if HAS_LUT:
+        slot = _translate(slot, lut_ptr, lut_len, True)
+    row = tl.load(rpi_ptr + r, mask=has, other=0)
+    real = has & (row != 0)
+    ok = real & (slot > 0) & (slot < num_slots)
+    exp_pos = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
+    pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
+    exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
+    exp_tok = ids
+    if HAS_EXPECTED:
+        exp_tok = tl.load(exp_ptr + t, mask=live, other=0)
+    tok_bad = real & (ids != exp_tok)
+    reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
+    dst = words_ptr + tl.where(ok, slot, 0) * 4
+    tl.store(dst + 0, ids, mask=ok)
+    tl.store(dst + 1, pos, mask=ok)
+    tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
+    tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
+                      tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
+    n_ok = tl.sum(ok.to(tl.int64), 0)
+    tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
+
+
+def stamp(*, canary: torch.Tensor, out_cache_loc: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+          req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, write_offsets: torch.Tensor, seed: torch.Tensor,
+          ring: torch.Tensor, ring_counter: torch.Tensor, stats: torch.Tensor, tag: int,
+          expected_tokens: torch.Tensor | None = None, lut: torch.Tensor | None = None,
+          backend: Backend = Backend.AUTO) -> None:
+    """Stamp the written slots (see module doc). Never raises on values; raises TypeError /
+    ValueError for wrong dtypes, shapes, devices, offsets length, ring or stats layout."""
+    device = validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens,
+                            write_offsets, seed, expected_tokens, lut, ring, ring_counter, stats, tag)
+    tag = int(tag)
+    if use_triton(backend, device):
+        for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
+            check_contiguous(name, t)
+        n, bs = input_ids.shape[0], req_pool_indices.shape[0]
+        block = 1024
+        _stamp_kernel[(max(cdiv(n, block), 1),)](
+            record_words(canary), out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
+            seed, expected_tokens if expected_tokens is not None else input_ids, lut if lut is not None else seed,
+            ring, ring_counter, stats, n, bs, canary.shape[0], lut.shape[0] if lut is not None else 0, ring.shape[0],
+            tag, HAS_EXPECTED=expected_tokens is not None, HAS_LUT=lut is not None, NBITS=num_bits(bs), BLOCK=block,
+            num_warps=4)
+    else:
+        _stamp_torch(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
+                     seed, expected_tokens, lut, ring, ring_counter, stats, tag)

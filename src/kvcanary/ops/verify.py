@@ -1,0 +1,187 @@
+"""verify: check every entry of a verify plan against the canary records.
+
+Entry e (slot, pred, position, token) with stored record (tok, pos, chain, fp) of ``slot``:
+
+| check        | fails when                                                                 |
+|--------------|----------------------------------------------------------------------------|
+| CHAIN        | pred valid: chain != chain[pred] + link(token[pred], position[pred]);      |
+|              | pred = -1 and position = 0: chain != ANCHOR (pred = -1 otherwise: skipped) |
+| POSITION     | pos != position                                                            |
+| VERIFY_TOKEN | token != -1 and tok != token                                               |
+| FINGERPRINT  | sources given: fp != fingerprint of the slot's K/V bytes                   |
+
+Slot 0 is skipped. A slot < 0 or >= num_slots (unresolvable page-table entry) is reported as
+CHAIN+POSITION with stored fields -1. A predecessor outside (0, num_slots) counts as -1. Entries
+e < min(count, cap) are checked when ``enable`` is 1; ``stats[tag]`` gets one launch and the
+number of slots checked. Rows go to the ring (order unspecified); the stored/expected value
+pair belongs to the first failing check in the order of the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.core.hashing import ANCHOR_S, link_torch
+from kvcanary.core.record import (
+    CHAIN,
+    FINGERPRINT,
+    POSITION,
+    RECORD_BYTES,
+    STAT_CHECKED,
+    STAT_LAUNCHES,
+    TOKEN,
+    Reason,
+    record_words,
+)
+from kvcanary.ops._common import Backend, cdiv, check_tensor, tl, triton, use_triton
+from kvcanary.ops._jit import append_violations, link64
+from kvcanary.ops._ring import append_violations_torch, validate_ring
+from kvcanary.ops.fingerprint import (
+    FingerprintMode,
+    fingerprint_torch,
+    fold_sources,
+    source_meta,
+    source_words,
+    validate_sources,
+)
+from kvcanary.ops.plan import Plan
+
+R_CHAIN, R_POSITION, R_FINGERPRINT, R_TOKEN = (int(Reason.CHAIN), int(Reason.POSITION), int(Reason.FINGERPRINT),
+                                               int(Reason.VERIFY_TOKEN))
+
+
+def validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode):
+    check_tensor("canary", canary, torch.uint8, 2)
+    if canary.shape[1] != RECORD_BYTES:
+        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    if not isinstance(mode, FingerprintMode):
+        raise TypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    validate_ring(ring, ring_counter, stats, tag)
+    if plan.slot.device != canary.device or ring.device != canary.device:
+        raise ValueError(f"plan on {plan.slot.device} and ring on {ring.device} but canary on {canary.device}")
+    validate_sources(sources, canary.shape[0], canary.device)
+    return canary.device
+
+
+def _verify_torch(canary, plan, ring, counter, stats, tag, sources, mode):
+    num_slots = canary.shape[0]
+    stats[tag, STAT_LAUNCHES] += 1
+    m = int(torch.minimum(plan.count, torch.tensor(plan.capacity))) if int(plan.enable[0]) else 0
+    if m == 0:
+        return
+    words = record_words(canary)
+    slot = plan.slot[:m].to(torch.int64)
+    pred = plan.pred[:m].to(torch.int64)
+    epos = plan.position[:m].to(torch.int64)
+    etok = plan.token[:m].to(torch.int64)
+    live = slot != 0
+    inside = (slot > 0) & (slot < num_slots)
+    wild = live & ~inside
+    rec = words[torch.where(inside, slot, torch.zeros_like(slot))]
+    minus1 = torch.full_like(slot, -1)
+    tok = torch.where(inside, rec[:, TOKEN], minus1)
+    pos = torch.where(inside, rec[:, POSITION], minus1)
+    chain = torch.where(inside, rec[:, CHAIN], minus1)
+    pred_ok = (pred > 0) & (pred < num_slots)
+    prec = words[torch.where(pred_ok, pred, torch.zeros_like(pred))]
+    exp_chain = torch.where(pred_ok, prec[:, CHAIN] + link_torch(prec[:, TOKEN], prec[:, POSITION]),
+                            torch.full_like(slot, ANCHOR_S))
+    check_chain = pred_ok | (epos == 0)
+    chain_bad = (inside & check_chain & (chain != exp_chain)) | wild
+    pos_bad = (inside & (pos != epos)) | wild
+    tok_bad = inside & (etok != -1) & (tok != etok)
+    fp_bad = torch.zeros_like(inside)
+    stored_fp = exp_fp = torch.zeros_like(slot)
+    if sources:
+        exp_fp = fingerprint_torch(torch.where(inside, slot, torch.ones_like(slot)), sources, mode)
+        stored_fp = rec[:, FINGERPRINT]
+        fp_bad = inside & (stored_fp != exp_fp)
+    reasons = (chain_bad.to(torch.int64) * R_CHAIN + pos_bad.to(torch.int64) * R_POSITION
+               + fp_bad.to(torch.int64) * R_FINGERPRINT + tok_bad.to(torch.int64) * R_TOKEN)
+    stored = torch.where(chain_bad, chain, torch.where(pos_bad, pos, torch.where(fp_bad, stored_fp, tok)))
+    want = torch.where(chain_bad, torch.where(wild, minus1, exp_chain),
+                       torch.where(pos_bad, epos, torch.where(fp_bad, exp_fp, etok)))
+    append_violations_torch(ring, counter, reasons != 0, tag, [slot, pos, tok, etok, stored, want, reasons])
+    stats[tag, STAT_CHECKED] += live.sum()
+
+
+@triton.jit
+def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, enable_ptr, ring_ptr, counter_ptr,
+                   stats_ptr, cap, num_slots, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                   NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Persistent grid: program p checks entries p*BLOCK + k*nprog*BLOCK + [0, BLOCK) below
+    min(count, cap) (none when enable is 0); each lane gathers its record and its predecessor's."""
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    limit = tl.minimum(tl.load(count_ptr), cap) * tl.load(enable_ptr).to(tl.int64)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    checked = tl.zeros((), dtype=tl.int64)
+    for base in range(pid * BLOCK, limit, nprog * BLOCK):
+        e = base + lane
+        m = e < limit
+        slot = tl.load(slot_ptr + e, mask=m, other=0).to(tl.int64)
+        pred = tl.load(pred_ptr + e, mask=m, other=-1).to(tl.int64)
+        epos = tl.load(pos_ptr + e, mask=m, other=0).to(tl.int64)
+        etok = tl.load(tok_ptr + e, mask=m, other=-1).to(tl.int64)
+        live = m & (slot != 0)
+        inside = live & (slot > 0) & (slot < num_slots)
+        wild = live & ~inside
+        rec = words_ptr + tl.where(inside, slot, 0) * 4
+        tok = tl.load(rec + 0, mask=inside, other=-1)
+        pos = tl.load(rec + 1, mask=inside, other=-1)
+        chain = tl.load(rec + 2, mask=inside, other=-1).to(tl.uint64, bitcast=True)
+        pred_ok = inside & (pred > 0) & (pred < num_slots)
+        prec = words_ptr + tl.where(pred_ok, pred, 0) * 4
+        p_tok = tl.load(prec + 0, mask=pred_ok, other=0)
+        p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
+        p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
+        exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
+        chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
+        pos_bad = (inside & (pos != epos)) | wild
+        tok_bad = inside & (etok != -1) & (tok != etok)
+        fp_bad = tl.zeros_like(inside)
+        stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+        exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+        if NUM_SOURCES > 0:
+            exp_fp = fold_sources(tl.where(inside, slot, 1), inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                                  NUM_SOURCES, BLOCK, BLOCK_W)
+            stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
+            fp_bad = inside & (stored_fp != exp_fp)
+        reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
+                   + tok_bad.to(tl.int64) * 32)
+        minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
+        stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
+                                                     tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
+        want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
+                        tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
+                                 tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
+        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
+                          reasons)
+        checked += tl.sum(live.to(tl.int64), 0)
+    tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
+    if pid == 0:
+        tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
+
+
+def verify(*, canary: torch.Tensor, plan: Plan, ring: torch.Tensor, ring_counter: torch.Tensor,
+           stats: torch.Tensor, tag: int, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
+           meta: torch.Tensor | None = None, max_programs: int = 1024, backend: Backend = Backend.AUTO) -> None:
+    """Check the plan's entries (see module doc). Never raises on values; raises TypeError /
+    ValueError for wrong dtypes, shapes, devices, ring or stats layout, or sources."""
+    sources = list(sources) if mode is not FingerprintMode.NONE else []
+    device = validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode)
+    tag = int(tag)
+    if use_triton(backend, device):
+        block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
+            else 1024
+        grid = max(1, min(cdiv(plan.capacity, block), max_programs))
+        meta = source_meta(sources, mode, device) if meta is None and sources else meta
+        _verify_kernel[(grid,)](
+            record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.count, plan.enable, ring,
+            ring_counter, stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
+            *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
+            BLOCK=block, BLOCK_W=128 if mode is FingerprintMode.ALL else 4, num_warps=4)
+    else:
+        _verify_torch(canary, plan, ring, ring_counter, stats, tag, sources, mode)
