@@ -145,9 +145,13 @@ class Engine:
                 )
             return StepResult(step_index=-1)
         batch = build_forward_batch(plan, self.pool.req_to_token)
+        batch_reqs = [req for req, _ in plan]
         self.hooks.before_forward(batch)
         logits = self.model.forward(batch, self.pool)
         self.hooks.after_forward(batch)
+        # a hook may have retracted requests (recompute policy): they produce nothing this step
+        plan = [(req, n) for req, n in plan if req.status is RequestStatus.RUNNING]
+        logits = logits[[i for i, req in enumerate(batch_reqs) if req.status is RequestStatus.RUNNING]]
         for req, n in plan:
             if n == 1 and req.num_cached >= len(req.prompt_ids):
                 self.stats.num_decode_tokens += 1
@@ -157,7 +161,7 @@ class Engine:
         reqs = [plan[i][0] for i in rows]
         tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs])
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
-        finished = self.scheduler.postprocess(plan, new_tokens)
+        finished = self.scheduler.postprocess(plan, new_tokens, self.step_index)
         self.stats.num_steps += 1
         self.hooks.after_step(self.step_index)
         self.step_index += 1
@@ -202,10 +206,13 @@ class Engine:
             runs.append(CachedRun(node.slots.to(self.device), list(node.key), node.start, prev))
         return runs
 
-    def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int]) -> list[int]:
+    def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
+                  since_step: int | None = None) -> list[int]:
         """Quarantine ``bad_slots`` (never handed out again; prefix-cache nodes holding one are
         dropped) and make the named running requests, and any running request whose slots include
-        a bad one, re-prefill from prompt + outputs. Returns the ids retracted, oldest first."""
+        a bad one, re-prefill from prompt + outputs, forgetting outputs sampled at ``since_step``
+        or later (they may have read corrupted K/V). Safe to call from ``after_forward``: retracted
+        requests produce nothing in the current step. Returns the ids retracted, oldest first."""
         bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
         if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
             raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
@@ -217,6 +224,8 @@ class Engine:
         ]
         for req in reversed(affected):
             self.scheduler.retract(req)
+            if since_step is not None:
+                req.drop_outputs_since(since_step)
         self.stats.num_recomputes += len(affected)
         self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return [r.request_id for r in affected]

@@ -40,6 +40,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     output_ids: list[int] = field(default_factory=list)
+    output_steps: list[int] = field(default_factory=list)  # engine step that sampled each output
     status: RequestStatus = RequestStatus.WAITING
     row: int = 0
     slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
@@ -72,6 +73,14 @@ class Request:
     def is_active(self) -> bool:
         """Holds a row (and possibly slots and a prefix lock)."""
         return self.row != 0
+
+    def drop_outputs_since(self, step: int) -> int:
+        """Forget outputs sampled at ``step`` or later (they may have read corrupted K/V); returns
+        how many were dropped. Only for a request that holds no cache state."""
+        keep = sum(1 for s in self.output_steps if s < step)
+        dropped = len(self.output_ids) - keep
+        del self.output_ids[keep:], self.output_steps[keep:]
+        return dropped
 
     def reset_cache_state(self) -> None:
         """Forget every slot and lock; the caller has released them."""

@@ -91,9 +91,9 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.ABORTED
 
-    def postprocess(self, plan: Plan, sampled: dict[int, int]) -> list[Request]:
-        """Account the extends of ``plan``, append ``sampled`` tokens (request id -> token) and
-        finish requests that reached ``max_new_tokens``. Returns the finished requests."""
+    def postprocess(self, plan: Plan, sampled: dict[int, int], step: int = 0) -> list[Request]:
+        """Account the extends of ``plan``, append ``sampled`` tokens (request id -> token, sampled
+        at ``step``) and finish requests that reached ``max_new_tokens``. Returns the finished requests."""
         finished = []
         for req, n in plan:
             req.num_cached += n
@@ -101,6 +101,7 @@ class Scheduler:
             if token is None:
                 continue
             req.output_ids.append(token)
+            req.output_steps.append(step)
             if req.is_done:
                 self.cache.release(req, cache=self.config.enable_prefix_cache)
                 self.running.remove(req)

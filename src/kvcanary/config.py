@@ -1,0 +1,75 @@
+"""Frozen configuration of the canary runtime, validated on construction.
+
+Configuration is built at the edge (CLI, server, tests) and passed down frozen; nothing below
+this module reads the environment. Engine configs live in ``kvcanary.engine.config``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvcanary.core.record import Half
+from kvcanary.errors import ConfigError
+from kvcanary.ops.fingerprint import MAX_SOURCES, FingerprintMode
+
+
+class Policy(enum.Enum):
+    """What happens when a violation is reported."""
+
+    OFF = "off"  # no checks at all
+    LOG = "log"  # structured line + metrics, keep serving
+    RAISE = "raise"  # CanaryViolation after the step
+    RECOMPUTE = "recompute"  # hand the engine the affected requests and slots
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """``policy``: see Policy. ``real_kv``: fingerprint mode of the covered ``layers`` x ``halves``
+    (``layers=None``: the first and last layer; at most 4 sources in all). ``sweep_interval``:
+    steps between sweeps of idle prefix-cache slots (0 = never); ``sweep_budget_bytes``: bytes one
+    sweep may read. ``ring_capacity``: violation rows kept between reads. ``plan_capacity``: verify
+    entries per forward (more disables that forward's verify and is counted). ``max_bs``: requests
+    per forward. ``stats_period``: steps between stats lines (0 = never). ``truth``: check tokens
+    against the requests' token history. ``watchdog_window``: steps a launch point may stay silent
+    (0 = derived from the sweep interval)."""
+
+    policy: Policy = Policy.LOG
+    real_kv: FingerprintMode = FingerprintMode.PARTIAL
+    layers: tuple[int, ...] | None = None
+    halves: tuple[Half, ...] = (Half.K, Half.V)
+    sweep_interval: int = 8
+    sweep_budget_bytes: int = 1 << 20
+    ring_capacity: int = 4096
+    plan_capacity: int = 1 << 16
+    max_bs: int = 1024
+    stats_period: int = 0
+    truth: bool = True
+    watchdog_window: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.policy, Policy):
+            raise ConfigError(f"CanaryConfig.policy must be a Policy, got {self.policy!r}")
+        if not isinstance(self.real_kv, FingerprintMode):
+            raise ConfigError(f"CanaryConfig.real_kv must be a FingerprintMode, got {self.real_kv!r}")
+        if not self.halves or any(not isinstance(h, Half) for h in self.halves):
+            raise ConfigError(f"CanaryConfig.halves must be a non-empty tuple of Half, got {self.halves!r}")
+        n_layers = 2 if self.layers is None else len(self.layers)
+        if self.real_kv is not FingerprintMode.NONE and n_layers * len(self.halves) > MAX_SOURCES:
+            raise ConfigError(f"CanaryConfig covers {n_layers} layers x {len(self.halves)} halves > {MAX_SOURCES} "
+                              "KV sources; cover fewer layers")
+        for name in ("sweep_interval", "sweep_budget_bytes", "stats_period", "watchdog_window"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"CanaryConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("ring_capacity", "plan_capacity", "max_bs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"CanaryConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not Policy.OFF
+
+    @property
+    def watchdog_steps(self) -> int:
+        """Steps without a HEAD/TAIL launch (or two sweep intervals without a sweep) before it fires."""
+        return self.watchdog_window or max(4, 2 * self.sweep_interval + 2)

@@ -1,0 +1,314 @@
+"""Canary: the facade an engine calls around each forward.
+
+    canary = Canary(CanaryConfig(), PoolGeometry(num_slots, rows, max_ctx), sources=[...])
+    with canary.forward(batch):        # HEAD on enter, TAIL on exit
+        model(batch)
+    report = canary.end_step(step)     # reporting, policies, watchdog, stats line
+
+HEAD: scatter the token truth, build the plan, verify the prefix (identity), stamp the written
+slots. TAIL: verify the prefix again with fingerprints, record the written slots' fingerprints.
+SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
+carry their records: ``export_rows`` / ``import_rows``, and ``offload`` / ``load_back`` keep a
+host mirror for a host tier (load-back is verified at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.core.record import (RECORD_BYTES, STAT_CHECKED, STAT_STAMPED, LaunchPoint, LaunchTag, PoolKind, Reason,
+                                  new_canary, new_ring, new_stats)
+from kvcanary.errors import CanaryViolation, KVCanaryError
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
+from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.plan import Plan, build_plan
+from kvcanary.ops.scatter import scatter_req_token_ids
+from kvcanary.ops.stamp import stamp
+from kvcanary.ops.verify import verify
+from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
+from kvcanary.runtime.sweep import SweepRun, sweep_entries
+from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
+
+log = logging.getLogger("kvcanary")
+
+
+class WatchdogTimeout(KVCanaryError):
+    """A launch point stopped running (raised under the raise and recompute policies)."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_slots: int
+    rows: int
+    max_ctx: int
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What the recompute policy hands the engine: re-prefill these requests from their token
+    history, dropping tokens produced at ``since_step`` or later, and quarantine these slots."""
+
+    requests: tuple
+    slots: tuple[int, ...]
+    since_step: int
+
+
+@dataclass
+class StepReport:
+    step: int
+    violations: list[Violation] = field(default_factory=list)
+    alarms: list[WatchdogAlarm] = field(default_factory=list)
+    recovery: Recovery | None = None
+
+
+@dataclass
+class CanaryTotals:
+    """Host-side running totals (read from the device one step late)."""
+
+    steps: int = 0
+    forwards: int = 0
+    sweeps: int = 0
+    violations: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    by_launch_point: Counter = field(default_factory=Counter)
+    recomputed_requests: int = 0
+    watchdog_alarms: int = 0
+    seconds: float = 0.0
+
+
+class Canary:
+    def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
+                 pool: PoolKind = PoolKind.FULL):
+        self.config, self.geometry, self.pool = config, geometry, pool
+        dev = torch.device(geometry.device)
+        self.canary = new_canary(geometry.num_slots, dev)
+        self.ring, self.ring_counter = new_ring(config.ring_capacity, dev)
+        self.stats = new_stats(dev)
+        self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
+        self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
+        self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
+        self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
+        self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
+        self.reporter = Reporter(self.ring, self.ring_counter, self.stats)
+        self.watchdog = Watchdog(config.watchdog_steps)
+        self.totals = CanaryTotals()
+        self.host_rows: torch.Tensor | None = None
+        self._sweep_cursor = 0
+        self._meta = StepMeta(0)
+        self._last_point_of_step: dict[int, int] = {}
+
+    def tag(self, point: LaunchPoint) -> int:
+        return LaunchTag(point, self.pool).value
+
+    # --- per forward -------------------------------------------------------------------------
+
+    @contextmanager
+    def forward(self, batch: ForwardBatch):
+        """HEAD before the body, TAIL after it (not after an exception: the forward did not finish)."""
+        self.head(batch)
+        yield
+        self.tail(batch)
+
+    def head(self, b: ForwardBatch) -> None:
+        """Verify every prefix slot the batch reads, then stamp the slots it writes."""
+        if not self.config.enabled:
+            return
+        t0 = time.perf_counter()
+        self._meta.batch = b
+        bs = b.batch_size
+        truth = truth_lens = expected = None
+        if self.config.truth and b.truth_ids is not None:
+            scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
+                                  pool_out=self.truth)
+            truth, truth_lens = self.truth, b.truth_offsets[1:] - b.truth_offsets[:-1]
+        build_plan(req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens,
+                   req_to_token=b.req_to_token, plan=self.plan, truth=truth, truth_lens=truth_lens)
+        verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
+               tag=self.tag(LaunchPoint.HEAD))
+        woff = self.plan.write_offsets[: bs + 1]
+        if truth is not None:
+            expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=b.req_pool_indices,
+                                              prefix_lens=b.prefix_lens, extend_offsets=woff, input_ids=b.input_ids)
+        stamp(canary=self.canary, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids, positions=b.positions,
+              req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
+              seed=self.plan.seed[:bs], ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
+              tag=self.tag(LaunchPoint.HEAD), expected_tokens=expected)
+        self.totals.seconds += time.perf_counter() - t0
+
+    def tail(self, b: ForwardBatch) -> None:
+        """Verify the prefix again (stray writes during the forward, fingerprints), then record
+        the fingerprints of the slots just written."""
+        if not self.config.enabled:
+            return
+        t0 = time.perf_counter()
+        verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
+               tag=self.tag(LaunchPoint.TAIL), sources=self.sources, mode=self.config.real_kv, meta=self.meta)
+        if self.sources:
+            fingerprint(slots=b.out_cache_loc, sources=self.sources, mode=self.config.real_kv, canary=self.canary,
+                        record=True, meta=self.meta)
+        self.totals.forwards += 1
+        self.totals.seconds += time.perf_counter() - t0
+
+    # --- sweeps and moved rows -----------------------------------------------------------------
+
+    def sweep_due(self, step: int) -> bool:
+        return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
+
+    def entry_bytes(self) -> int:
+        fp = sum(4 * s.words_read(self.config.real_kv) for s in self.sources)
+        return 2 * RECORD_BYTES + 16 + fp
+
+    def sweep(self, runs: Sequence[SweepRun], budget_bytes: int | None = None) -> int:
+        """Verify up to the byte budget of ``runs`` (continuing where the last sweep stopped),
+        fingerprints included. Always launches, even with nothing to sweep. Returns the number
+        of slots queued for checking."""
+        if not self.config.enabled:
+            return 0
+        t0 = time.perf_counter()
+        budget = self.config.sweep_budget_bytes if budget_bytes is None else budget_bytes
+        n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
+        (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max)
+        n = self._load_sweep_plan(slot, pred, pos, tok)
+        self._meta.sweep_slots.update(zip(slot, pos, strict=True))
+        self.totals.sweeps += 1
+        self.totals.seconds += time.perf_counter() - t0
+        return n
+
+    def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
+        p, n = self.sweep_plan, len(slot)
+        if n:
+            dev = p.slot.device
+            for buf, vals in ((p.slot, slot), (p.pred, pred), (p.position, pos), (p.token, tok)):
+                buf[:n].copy_(torch.tensor(vals, dtype=torch.int32), non_blocking=dev.type == "cuda")
+        p.count.fill_(n)
+        p.enable.fill_(1)
+        verify(canary=self.canary, plan=p, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
+               tag=self.tag(LaunchPoint.SWEEP), sources=self.sources, mode=self.config.real_kv, meta=self.meta)
+        return n
+
+    def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records of ``slots`` (uint8[n, 32]) to travel with their K/V."""
+        return self.canary[slots.to(self.canary.device)].clone()
+
+    def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write records that travelled with K/V into ``slots`` (the stamps are content-only, so
+        they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
+        self.canary[slots.to(self.canary.device)] = rows.to(self.canary.device)
+        self.verify_landed(slots)
+
+    def verify_landed(self, slots: torch.Tensor) -> int:
+        """Check slots just filled by a copy: each against the one before it (consecutive positions)
+        and its fingerprint; the first one's link is checked by the next HEAD that reads it."""
+        if not self.config.enabled or slots.numel() == 0:
+            return 0
+        s = [int(x) for x in slots.tolist()]
+        first_pos = int(self.canary[s[0]].view(torch.int64)[1])
+        pos = list(range(first_pos, first_pos + len(s)))
+        self._meta.sweep_slots.update(zip(s, pos, strict=True))
+        return self._load_sweep_plan(s, [-1, *s[:-1]], pos, [-1] * len(s))
+
+    def attach_host_tier(self, num_rows: int) -> None:
+        """Keep a host mirror of records for a host offload tier of ``num_rows`` rows."""
+        self.host_rows = torch.zeros(num_rows, RECORD_BYTES, dtype=torch.uint8,
+                                     pin_memory=self.canary.is_cuda)
+
+    def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """Records follow K/V from ``device_slots[i]`` to host row ``host_rows[i]``."""
+        if self.config.enabled and self.host_rows is not None:
+            self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
+
+    def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at once."""
+        if self.config.enabled and self.host_rows is not None:
+            self.import_rows(device_slots, self.host_rows[host_rows.cpu()])
+
+    # --- after each step ---------------------------------------------------------------------
+
+    def end_step(self, step: int) -> StepReport:
+        """Snapshot this step's counters, decode what the device reported (one step late on CUDA),
+        apply the policy, feed the watchdog, print the stats line when due. Raises CanaryViolation
+        under the raise policy and WatchdogTimeout when checks stopped (raise and recompute)."""
+        report = StepReport(step)
+        if not self.config.enabled:
+            return report
+        t0 = time.perf_counter()
+        self._meta.step = step
+        self.reporter.snapshot(self._meta)
+        self._meta = StepMeta(step + 1)
+        report.violations = self.reporter.collect()
+        self.totals.steps += 1
+        report.alarms = self.watchdog.observe(self.reporter.latest_stats)
+        self._account(report)
+        self.totals.seconds += time.perf_counter() - t0
+        self._apply_policy(report)
+        return report
+
+    def flush(self, step: int) -> StepReport:
+        """Read everything still pending (end of a run); blocks until the device is done."""
+        report = StepReport(step, self.reporter.collect(flush=True))
+        self._account(report)
+        self._apply_policy(report)
+        return report
+
+    def _account(self, report: StepReport) -> None:
+        t = self.totals
+        for v in report.violations:
+            t.violations += 1
+            t.by_launch_point[v.point.name] += 1
+            for name in Reason.names(v.reasons):
+                t.by_reason[name] += 1
+            log.warning(v.line())
+        for a in report.alarms:
+            t.watchdog_alarms += 1
+            log.error(a.line())
+        period = self.config.stats_period
+        if period and report.step % period == 0:
+            log.info(self.stats_line(report.step))
+
+    def _apply_policy(self, report: StepReport) -> None:
+        policy = self.config.policy
+        if report.alarms and policy in (Policy.RAISE, Policy.RECOMPUTE):
+            raise WatchdogTimeout("; ".join(a.line() for a in report.alarms))
+        if not report.violations:
+            return
+        if policy is Policy.RAISE:
+            first = report.violations[0]
+            raise CanaryViolation(f"{len(report.violations)} KV-cache violation(s); first: {first.line()}",
+                                  report.violations)
+        if policy is Policy.RECOMPUTE:
+            reqs = tuple(dict.fromkeys(r for v in report.violations for r in v.requests))
+            slots = tuple(sorted({v.slot for v in report.violations if v.slot > 0}))
+            report.recovery = Recovery(reqs, slots, min(v.step for v in report.violations))
+            self.totals.recomputed_requests += len(reqs)
+
+    # --- numbers -------------------------------------------------------------------------------
+
+    def counters(self) -> dict:
+        """Device counters as of the last snapshot read: launches, checked and stamped slots by point."""
+        s = self.reporter.latest_stats
+        out = {}
+        for p in LaunchPoint:
+            rows = s[4 * p: 4 * p + 4]
+            out[p.name] = {"launches": int(rows[:, 0].sum()), "checked": int(rows[:, STAT_CHECKED].sum()),
+                           "stamped": int(rows[:, STAT_STAMPED].sum())}
+        out["ring_total"] = self.reporter.latest_total
+        out["dropped"] = self.reporter.dropped
+        out["plan_overflows"] = int(self.plan.overflow[0])
+        return out
+
+    def stats_line(self, step: int) -> str:
+        c = self.counters()
+        verified = sum(c[p.name]["checked"] for p in LaunchPoint)
+        return (f"kv_canary stats: step={step} protected_tokens={c['HEAD']['stamped']} verified_slots={verified} "
+                f"sweeps={c['SWEEP']['launches']} violations={self.totals.violations} dropped={c['dropped']} "
+                f"plan_overflows={c['plan_overflows']}")

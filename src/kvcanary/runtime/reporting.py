@@ -1,0 +1,181 @@
+"""One reporting pipeline: device ring -> asynchronous snapshot -> decode into ``Violation``.
+
+Every step the ring counter and the stats table are copied (non-blocking, into pinned host
+memory on CUDA) right after the step's checks; the copy is read at the next step, so nothing
+on the hot path waits. Only rows appended since the last read are fetched, and only when there
+are some. On the CPU the copy is synchronous and read in the same step. The ring fills once;
+after every row of a full ring was read, the counter is reset right behind the next snapshot
+(no launch sits between the two), so the total stays exact and ``dropped`` counts rows lost
+to a full ring.
+
+The violation line is frozen; parse it with ``VIOLATION_RE``::
+
+    kv_canary violation: step=12 tag=HEAD.FULL.K reason=chain+position slot=183 position=5 token=17
+    expected_token=-1 stored=0x1f... expected=0x9a... requests=7@5,9@5
+
+(one line; ``requests`` lists request@position pairs that read the slot, ``cache`` for an idle
+prefix-cache slot, empty when no owner is known).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.core.record import (LaunchPoint, LaunchTag, Reason, ViolationRow, decode_rows, format_reasons)
+
+VIOLATION_RE = re.compile(
+    r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "
+    r"slot=(?P<slot>-?\d+) position=(?P<position>-?\d+) token=(?P<token>-?\d+) "
+    r"expected_token=(?P<expected_token>-?\d+) stored=(?P<stored>0x[0-9a-f]{16}) expected=(?P<expected>0x[0-9a-f]{16}) "
+    r"requests=(?P<requests>[\w@,.-]*)$")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A decoded violation mapped to the requests (and their positions) that read the slot."""
+
+    step: int
+    tag: LaunchTag
+    reasons: Reason
+    slot: int
+    position: int
+    token: int
+    expected_token: int
+    stored_value: int
+    expected_value: int
+    owners: tuple[tuple[object, int], ...] = ()  # (request id or "cache", position)
+
+    @property
+    def point(self) -> LaunchPoint:
+        return self.tag.point
+
+    @property
+    def requests(self) -> tuple:
+        return tuple(r for r, _ in self.owners if r != "cache")
+
+    def line(self) -> str:
+        owners = ",".join(f"{r}@{p}" for r, p in self.owners)
+        return (f"kv_canary violation: step={self.step} tag={self.tag} reason={format_reasons(self.reasons)} "
+                f"slot={self.slot} position={self.position} token={self.token} "
+                f"expected_token={self.expected_token} stored=0x{self.stored_value & (2**64 - 1):016x} "
+                f"expected=0x{self.expected_value & (2**64 - 1):016x} requests={owners}")
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "tag": str(self.tag), "launch_point": self.tag.point.name,
+                "pool": self.tag.pool.name, "reasons": Reason.names(self.reasons), "slot": self.slot,
+                "position": self.position, "token": self.token, "expected_token": self.expected_token,
+                "stored_value": self.stored_value, "expected_value": self.expected_value,
+                "requests": [{"request": r, "position": p} for r, p in self.owners]}
+
+
+@dataclass
+class StepMeta:
+    """What the reporter keeps of a step to name the owners of its violation rows."""
+
+    step: int
+    batch: object | None = None  # the ForwardBatch of the step's forward
+    sweep_slots: dict[int, int] = field(default_factory=dict)  # slot -> position, for sweep rows
+
+
+def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ...]:
+    """Requests of ``meta.batch`` whose page table holds ``row.slot`` (prefix or written tokens)."""
+    if row.tag.point is LaunchPoint.SWEEP:
+        pos = meta.sweep_slots.get(row.slot)
+        return (("cache", pos),) if pos is not None else ()
+    b = meta.batch
+    if b is None or row.slot <= 0:
+        return ()
+    rows = b.req_pool_indices.cpu()
+    ends = (b.prefix_lens + b.extend_lens).cpu()
+    width = int(ends.max()) if ends.numel() else 0
+    if width == 0:
+        return ()
+    table = b.req_to_token[b.req_pool_indices, :width].cpu()
+    hit = (table == row.slot) & (torch.arange(width)[None, :] < ends[:, None]) & (rows[:, None] != 0)
+    ids = b.request_ids or tuple(range(b.batch_size))
+    return tuple((ids[int(r)], int(p)) for r, p in torch.nonzero(hit).tolist())
+
+
+@dataclass
+class _Snapshot:
+    meta: StepMeta
+    counter: torch.Tensor
+    stats: torch.Tensor
+    event: object | None
+    reset: bool
+
+
+class Reporter:
+    """Snapshots the ring counter and stats each step and decodes new rows one step later."""
+
+    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor):
+        self.ring, self.counter, self.stats = ring, counter, stats
+        self.is_cuda = ring.is_cuda
+        self.lag = 1 if self.is_cuda else 0
+        self._pending: deque[_Snapshot] = deque()
+        self._read_upto = 0
+        self._total_before = 0
+        self._reset_next = False
+        self.rows_read = 0
+        self.latest_stats = torch.zeros_like(stats, device="cpu")
+        self.latest_total = 0
+        self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
+
+    def snapshot(self, meta: StepMeta) -> None:
+        """Enqueue the copy of the counter and stats behind the step's checks (never blocks)."""
+        pin = self.is_cuda
+        counter = torch.empty(1, dtype=torch.int64, pin_memory=pin)
+        stats = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=pin)
+        counter.copy_(self.counter, non_blocking=pin)
+        stats.copy_(self.stats, non_blocking=pin)
+        event = None
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        reset = self._reset_next
+        if reset:
+            self.counter.zero_()
+            self._reset_next = False
+        self._pending.append(_Snapshot(meta, counter, stats, event, reset))
+
+    def collect(self, flush: bool = False) -> list[Violation]:
+        """Decode the rows of every snapshot at least ``lag`` steps old (all when ``flush``)."""
+        out = []
+        while self._pending and (flush or len(self._pending) > self.lag):
+            snap = self._pending.popleft()
+            if snap.event is not None:
+                snap.event.synchronize()  # a step old: already complete on the device
+            out += self._read(snap)
+        return out
+
+    def _read(self, snap: _Snapshot) -> list[Violation]:
+        total = int(snap.counter[0])
+        self.latest_stats = snap.stats.clone()
+        self.latest_total = self._total_before + total
+        cap = self.ring.shape[0]
+        hi = min(total, cap)
+        rows = []
+        if hi > self._read_upto:
+            if self._side is not None:
+                with torch.cuda.stream(self._side):
+                    self._side.wait_event(snap.event)
+                    rows = decode_rows(self.ring[self._read_upto:hi])
+            else:
+                rows = decode_rows(self.ring[self._read_upto:hi])
+            self.rows_read += len(rows)
+            self._read_upto = hi
+        if snap.reset:
+            self._total_before += total
+            self._read_upto = 0
+        elif total >= cap:
+            self._reset_next = True
+        return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
+                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r)) for r in rows]
+
+    @property
+    def dropped(self) -> int:
+        return max(self.latest_total - self.rows_read, 0)

@@ -1,0 +1,46 @@
+"""Watchdog: fails loudly when a launch point's launch counter stops advancing.
+
+HEAD and TAIL must launch in every step that ran a forward; SWEEP is expected only once it has
+launched at least once (an engine without a prefix cache never sweeps). A point silent for more
+than ``window`` steps fires once, until it launches again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint
+
+
+@dataclass(frozen=True)
+class WatchdogAlarm:
+    point: LaunchPoint
+    silent_steps: int
+    window: int
+
+    def line(self) -> str:
+        return (f"kv_canary watchdog: point={self.point.name} silent_steps={self.silent_steps} "
+                f"window={self.window} checks stopped running")
+
+
+class Watchdog:
+    def __init__(self, window: int):
+        self.window = window
+        self._last = {p: 0 for p in LaunchPoint}
+        self._since = {p: 0 for p in LaunchPoint}
+        self._seen = {LaunchPoint.HEAD: True, LaunchPoint.TAIL: True, LaunchPoint.SWEEP: False}
+        self._fired = {p: False for p in LaunchPoint}
+
+    def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
+        """Feed a stats snapshot (int64[tags, 3]) covering ``steps`` more steps; returns new alarms."""
+        alarms = []
+        for p in LaunchPoint:
+            launches = int(stats[4 * p: 4 * p + 4, STAT_LAUNCHES].sum())
+            if launches != self._last[p]:
+                self._last[p], self._since[p], self._seen[p], self._fired[p] = launches, 0, True, False
+                continue
+            self._since[p] += steps
+            if self._seen[p] and self._since[p] > self.window and not self._fired[p]:
+                self._fired[p] = True
+                alarms.append(WatchdogAlarm(p, self._since[p], self.window))
+        return alarms
