@@ -18,13 +18,24 @@ bit flip) is always caught; multi-word changes collide with probability about 2*
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvcanary.core.hashing import GOLDEN, MASK64, to_signed
 from kvcanary.core.record import FINGERPRINT, RECORD_BYTES, Half, record_words
-from kvcanary.ops._common import Backend, cdiv, check_same_device, check_tensor, tl, triton, use_triton
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_contiguous,
+    check_len,
+    check_same_device,
+    check_tensor,
+    tl,
+    triton,
+    use_triton,
+)
 from kvcanary.ops._jit import mix64
 
 FP_SEED = 0x66696E6765727072  # "fingerpr"
@@ -61,7 +72,8 @@ class KVSource:
             raise ValueError(f"page_stride_bytes {stride} must be a multiple of 16 and >= page_size * "
                              f"bytes_per_token ({self.page_size * self.bytes_per_token})")
         if self.words.data_ptr() % 16:
-            raise ValueError("KV source storage is not 16-byte aligned; pass the pool buffer itself, not an offset view")
+            raise ValueError("KV source storage is not 16-byte aligned; pass the pool buffer itself, "
+                             "not an offset view")
         last = (self.num_slots - 1) // self.page_size * stride + (self.num_slots - 1) % self.page_size * \
             self.bytes_per_token + self.bytes_per_token
         if last > self.words.numel() * 4:
@@ -131,15 +143,16 @@ def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> to
 @triton.jit
 def _source_acc(words_ptr, slot, ok, page_size, page_stride_w, token_w, n_words, BLOCK_S: tl.constexpr,
                 BLOCK_W: tl.constexpr):
-    base = (slot // page_size) * page_stride_w + (slot % page_size) * token_w
-    acc = tl.zeros((BLOCK_S,), dtype=tl.uint64)
+    """sum_w uint32(word_w) * (2w + 1) * GOLDEN over a row; GOLDEN is factored out of the sum (the
+    same value mod 2**64) so each word costs one widening multiply by a small odd factor. BLOCK_W
+    divides n_words (host-chosen), so only the row mask remains and loads stay 16 bytes wide."""
+    base = tl.multiple_of((slot // page_size) * page_stride_w + (slot % page_size) * token_w, 4)
+    acc = tl.zeros((BLOCK_S, BLOCK_W), dtype=tl.uint64)
     for w0 in range(0, n_words, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
-        m = ok[:, None] & (w < n_words)[None, :]
-        x = tl.load(words_ptr + base[:, None] + w[None, :], mask=m, other=0)
-        key = (2 * w + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        acc += tl.sum(x.to(tl.uint32, bitcast=True).to(tl.uint64) * key[None, :], axis=1)
-    return acc
+        w = w0 + tl.arange(0, BLOCK_W)
+        x = tl.load(words_ptr + base[:, None] + w[None, :], mask=ok[:, None], other=0)
+        acc += x.to(tl.uint32, bitcast=True).to(tl.uint64) * (2 * w + 1).to(tl.uint64)[None, :]
+    return tl.sum(acc, axis=1) * 0x9E3779B97F4A7C15
 
 
 @triton.jit
@@ -158,7 +171,8 @@ def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES
             ptr = w3_ptr
         acc = _source_acc(ptr, slot, ok, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1),
                           tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3), BLOCK_S, BLOCK_W)
-        h = mix64(h ^ (acc + (i + 1) * 0x9E3779B97F4A7C15))
+        # (i + 1) * GOLDEN mod 2**64: from the second source on, the product no longer fits a uint64 constant
+        h = mix64(h ^ (acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)))
     return h
 
 
@@ -169,6 +183,17 @@ def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
     for i, src in enumerate(sources):
         meta[i] = torch.tensor([src.page_size, src.page_stride // 4, src.bytes_per_token // 4, src.words_read(mode)])
     return meta.to(device)
+
+
+def block_words(sources, mode: FingerprintMode, cap: int = 128) -> int:
+    """The word-tile width: the largest power of two <= cap dividing every source's words_read."""
+    g = 0
+    for src in sources:
+        g = math.gcd(g, src.words_read(mode))
+    b = 4
+    while b * 2 <= cap and g % (b * 2) == 0:
+        b *= 2
+    return b
 
 
 def source_words(sources, fallback: torch.Tensor) -> list[torch.Tensor]:
@@ -215,6 +240,7 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, out: tor
     if out is None:
         out = torch.empty_like(slots)
     check_tensor("out", out, torch.int64, 1)
+    check_len("out", out, slots.shape[0], "len(slots)")
     device = check_same_device(slots=slots, canary=canary, out=out)
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     validate_sources(sources, canary.shape[0], device)
@@ -223,11 +249,14 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, out: tor
     if not sources:  # mode NONE: the recorded fingerprint is 0
         out.zero_()
     elif use_triton(backend, device):
+        for name, t in (("slots", slots), ("out", out), ("canary", canary)):
+            check_contiguous(name, t)
         meta = source_meta(sources, mode, device) if meta is None else meta
-        block_s, block_w = (16, 128) if mode is FingerprintMode.ALL else (128, 4)
+        block_w = block_words(sources, mode)
+        block_s = 32 if block_w > 4 else 128
         _fingerprint_kernel[(max(cdiv(n, block_s), 1),)](
             slots, out, record_words(canary), n, num_slots, *source_words(sources, slots), meta, RECORD=record,
-            NUM_SOURCES=len(sources), BLOCK_S=block_s, BLOCK_W=block_w, num_warps=4)
+            NUM_SOURCES=len(sources), BLOCK_S=block_s, BLOCK_W=block_w, num_warps=8 if block_w > 4 else 4)
         return out
     else:
         ok = (slots > 0) & (slots < num_slots)

@@ -23,6 +23,7 @@ import torch
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    check_contiguous,
     check_len,
     check_same_device,
     check_tensor,
@@ -133,6 +134,10 @@ def gather_expected_tokens(*, truth: torch.Tensor, truth_lens: torch.Tensor, req
     if use_triton(backend, device):
         if truth.stride(1) != 1:
             raise ValueError(f"truth must have unit column stride, got strides {truth.stride()}")
+        for name, t in (("truth_lens", truth_lens), ("req_pool_indices", req_pool_indices),
+                        ("prefix_lens", prefix_lens), ("extend_offsets", extend_offsets), ("input_ids", input_ids),
+                        ("out", out)):
+            check_contiguous(name, t)
         n, bs = input_ids.shape[0], req_pool_indices.shape[0]
         block = 1024
         _gather_kernel[(max(cdiv(n, block), 1),)](

@@ -33,6 +33,7 @@ import torch
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    check_contiguous,
     check_len,
     check_same_device,
     check_tensor,
@@ -108,8 +109,10 @@ def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan
         check_len("truth_lens", truth_lens, bs, "bs")
     if bs > plan.max_bs:
         raise ValueError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
+    rows, max_ctx = req_to_token.shape
+    if truth is not None and truth.shape[0] != rows:  # a shape: checked on every device
+        raise ValueError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
     if is_host(req_pool_indices):
-        rows, max_ctx = req_to_token.shape
         for name, bad in (("req_pool_indices", (req_pool_indices < 0) | (req_pool_indices >= rows)),
                           ("prefix_lens", prefix_lens < 0), ("extend_lens", extend_lens < 0),
                           ("prefix_lens + extend_lens", prefix_lens + extend_lens > max_ctx)):
@@ -118,8 +121,6 @@ def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan
                 raise ValueError(f"{name}[{i}] out of range (req_pool_indices {int(req_pool_indices[i])}, "
                                  f"prefix_lens {int(prefix_lens[i])}, extend_lens {int(extend_lens[i])}; "
                                  f"rows {rows}, max_ctx {max_ctx})")
-        if truth is not None and truth.shape[0] != rows:
-            raise ValueError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
     return device
 
 
@@ -266,6 +267,13 @@ def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
     device = validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens,
                            lut, window)
     if use_triton(backend, device):
+        for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                        ("extend_lens", extend_lens), ("truth_lens", truth_lens), ("lut", lut)):
+            if t is not None:
+                check_contiguous(name, t)
+        for name, t in (("req_to_token", req_to_token), ("truth", truth)):
+            if t is not None and t.stride(1) != 1:
+                raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
         bs = req_pool_indices.shape[0]
         rows, max_ctx = req_to_token.shape
         lut_t = lut if lut is not None else plan.seed

@@ -12,7 +12,8 @@ Contract (the op users know from sglang, keyword for keyword):
 For each request r: ``pool_out[req_pool_indices[r], :n] = int32(flat_in[offsets[r]:offsets[r]+n])``
 with ``n = min(offsets[r+1] - offsets[r], width)``; rows not addressed stay untouched. No batch
 cap. Host tensors get value checks (offsets start at 0, never decrease, end at N; rows in
-range) with a ValueError. Device tensors are never synced: bad values are masked so nothing is
+range) with a ValueError. Device tensors are never synced: a request whose segment is not
+inside [0, N] (or runs backwards) or whose row is out of range writes nothing, so nothing is
 read or written out of bounds, and ``error_flag`` (int32[1]) gets ``ERR_OFFSETS`` and/or
 ``ERR_ROWS`` OR-ed in for the caller to check.
 """
@@ -28,13 +29,10 @@ from kvcanary.ops._common import (
     check_same_device,
     check_tensor,
     is_host,
-    num_bits,
-    searchsorted_right,
     tl,
     triton,
     use_triton,
 )
-from kvcanary.ops._jit import find_segment
 
 ERR_OFFSETS = 1
 ERR_ROWS = 2
@@ -82,56 +80,69 @@ def validate_scatter(flat_in, offsets, req_pool_indices, pool_out) -> torch.devi
     return device
 
 
+def _segment_ok(offsets, req_pool_indices, n: int, rows: int) -> torch.Tensor:
+    """Per request: its segment lies inside flat_in and its row inside pool_out."""
+    start, end = offsets[:-1], offsets[1:]
+    return (start >= 0) & (start <= end) & (end <= n) & (req_pool_indices >= 0) & (req_pool_indices < rows)
+
+
 def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag) -> None:
     n, bs = flat_in.shape[0], req_pool_indices.shape[0]
     rows, width = pool_out.shape
     bad_offsets = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
     bad_rows = ((req_pool_indices < 0) | (req_pool_indices >= rows)).any()
     error_flag |= bad_offsets.to(torch.int32) * ERR_OFFSETS | bad_rows.to(torch.int32) * ERR_ROWS
-    if n == 0 or bs == 0:
+    if bs == 0:
         return
-    i = torch.arange(n, device=flat_in.device)
-    r = searchsorted_right(offsets[1:], i)
-    rc = r.clamp(max=bs - 1)
-    start = offsets[rc]
-    col = i - start
-    row = req_pool_indices[rc]
-    ok = (r < bs) & (start <= i) & (i < offsets[rc + 1]) & (col < width) & (row >= 0) & (row < rows)
-    pool_out[row[ok], col[ok]] = flat_in[ok].to(torch.int32)
+    ok = _segment_ok(offsets, req_pool_indices, n, rows)
+    count = torch.where(ok, (offsets[1:] - offsets[:-1]).clamp(0, width), torch.zeros_like(offsets[1:]))
+    r = torch.repeat_interleave(torch.arange(bs, device=flat_in.device), count)
+    col = torch.arange(r.numel(), device=flat_in.device) - (torch.cumsum(count, 0) - count)[r]
+    pool_out[req_pool_indices[r], col] = flat_in[offsets[r] + col].to(torch.int32)
 
 
 @triton.jit
-def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, width,
-                    out_stride, NBITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Lane i of program p handles flat_in[p*BLOCK + i]: binary-search its request r in the
-    offsets, then write pool_out[rpi[r], i - offsets[r]] if that is inside the segment, the row
-    range and the width. Program 0 also checks offsets and rows and raises the error flag."""
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    live = i < n
-    r = find_segment(off_ptr + 1, i, bs, NBITS)
-    has_r = live & (r < bs)
-    start = tl.load(off_ptr + r, mask=has_r, other=0)
-    end = tl.load(off_ptr + r + 1, mask=has_r, other=0)
-    row = tl.load(rpi_ptr + r, mask=has_r, other=-1)
-    col = i - start
-    ok = has_r & (start <= i) & (i < end) & (col < width) & (row >= 0) & (row < rows)
-    val = tl.load(flat_ptr + i, mask=ok, other=0)
-    tl.store(out_ptr + row * out_stride + col, val.to(tl.int32), mask=ok)
-    if pid == 0:
-        bad = (tl.load(off_ptr) != 0) | (tl.load(off_ptr + bs) != n)
-        bad_off = bad.to(tl.int32)
+def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, width, out_stride,
+                    BLOCK: tl.constexpr):
+    """Program (r, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:
+    pool_out[rpi[r], :cnt] = flat_in[start : start + cnt], cnt = min(end - start, width), when
+    0 <= start <= end <= n and the row is in range (else nothing). No search: each program reads
+    its own offsets. Program (0, 0) also checks every offset and row and raises the error flag."""
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1).to(tl.int64)
+    split = tl.num_programs(1).to(tl.int64)
+    has = r < bs
+    start = tl.load(off_ptr + r, mask=has, other=0)
+    end = tl.load(off_ptr + r + 1, mask=has, other=0)
+    row = tl.load(rpi_ptr + r, mask=has, other=-1)
+    ok = has & (start >= 0) & (start <= end) & (end <= n) & (row >= 0) & (row < rows)
+    cnt = tl.where(ok, tl.minimum(end - start, width), 0)
+    dst = out_ptr + row * out_stride
+    for c in range(k * BLOCK, cnt, split * BLOCK):
+        j = c + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < cnt
+        tl.store(dst + j, tl.load(flat_ptr + start + j, mask=m, other=0).to(tl.int32), mask=m)
+    if (r == 0) & (k == 0):
+        bad_off = ((tl.load(off_ptr) != 0) | (tl.load(off_ptr + bs) != n)).to(tl.int32)
         bad_row = tl.zeros((), dtype=tl.int32)
         for s in range(0, bs, BLOCK):
-            j = s + tl.arange(0, BLOCK).to(tl.int64)
-            m = j < bs
-            a = tl.load(off_ptr + j, mask=m, other=0)
-            b = tl.load(off_ptr + j + 1, mask=m, other=0)
-            rr = tl.load(rpi_ptr + j, mask=m, other=0)
-            bad_off = tl.maximum(bad_off, tl.max((m & (b < a)).to(tl.int32), 0))
-            bad_row = tl.maximum(bad_row, tl.max((m & ((rr < 0) | (rr >= rows))).to(tl.int32), 0))
+            jj = s + tl.arange(0, BLOCK).to(tl.int64)
+            mm = jj < bs
+            a = tl.load(off_ptr + jj, mask=mm, other=0)
+            b = tl.load(off_ptr + jj + 1, mask=mm, other=0)
+            rr = tl.load(rpi_ptr + jj, mask=mm, other=0)
+            bad_off = tl.maximum(bad_off, tl.max((mm & (b < a)).to(tl.int32), 0))
+            bad_row = tl.maximum(bad_row, tl.max((mm & ((rr < 0) | (rr >= rows))).to(tl.int32), 0))
         code = bad_off * 1 + bad_row * 2
         tl.atomic_or(err_ptr, code, mask=code != 0)
+
+
+def _scatter_grid(n: int, bs: int) -> tuple[int, int, int]:
+    """(programs per request, BLOCK) from shapes alone: BLOCK ~ the mean segment (128..1024),
+    enough programs per request to cover a mean segment in one pass (at most 64)."""
+    mean = cdiv(n, max(bs, 1))
+    block = min(max(triton.next_power_of_2(max(mean, 1)), 128), 1024)
+    return max(bs, 1), min(max(cdiv(mean, block), 1), 64), block
 
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -154,11 +165,10 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
         if pool_out.stride(1) != 1:
             raise ValueError(f"pool_out must have unit column stride, got strides {pool_out.stride()}")
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
-        block = 1024
-        _scatter_kernel[(max(cdiv(n, block), 1),)](
-            flat_in, offsets, req_pool_indices, pool_out, error_flag, n, bs,
-            pool_out.shape[0], pool_out.shape[1], pool_out.stride(0), NBITS=num_bits(bs), BLOCK=block,
-            num_warps=4)
+        programs, split, block = _scatter_grid(n, bs)
+        _scatter_kernel[(programs, split)](
+            flat_in, offsets, req_pool_indices, pool_out, error_flag, n, bs, pool_out.shape[0], pool_out.shape[1],
+            pool_out.stride(0), BLOCK=block, num_warps=4)
     else:
         _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag)
     return error_flag

@@ -117,12 +117,30 @@ def _stamp_torch(canary, loc, ids, pos, rpi, prefix_lens, woff, seed, expected, 
 
 
 @triton.jit
+def _stamp_tails_kernel(ids_ptr, pos_ptr, woff_ptr, tails_ptr, n, bs, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase 1 (only when T > BLOCK): tails[p] = sum of the links of block p from its last
+    segment start (or from the block start when no segment starts inside it) to its end."""
+    pid = tl.program_id(0).to(tl.int64)
+    block_start = pid * BLOCK
+    t = block_start + tl.arange(0, BLOCK).to(tl.int64)
+    live = t < n
+    r = find_segment(woff_ptr + 1, t, bs, NBITS)
+    has = live & (r < bs)
+    start = tl.load(woff_ptr + r, mask=has, other=0)
+    lk = tl.where(has, link64(tl.load(ids_ptr + t, mask=live, other=0), tl.load(pos_ptr + t, mask=live, other=0)), 0)
+    last_start = tl.max(tl.where(has & (t == start), t, block_start), 0)
+    tl.store(tails_ptr + pid, tl.sum(tl.where(t >= last_start, lk, 0), 0).to(tl.int64, bitcast=True))
+
+
+@triton.jit
 def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, woff_ptr, seed_ptr, exp_ptr, lut_ptr,
-                  ring_ptr, counter_ptr, stats_ptr, n, bs, num_slots, lut_len, ring_cap, tag,
-                  HAS_EXPECTED: tl.constexpr, HAS_LUT: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p stamps tokens [p*BLOCK, (p+1)*BLOCK). The chain is a segmented scan inside the
-    block (flag = segment start or lane 0) plus, for the segment already open at the block start,
-    a carry: the links of that segment's tokens before the block, summed by re-reading them."""
+                  tails_ptr, ring_ptr, counter_ptr, stats_ptr, n, bs, num_slots, lut_len, ring_cap, tag,
+                  HAS_EXPECTED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_CARRY: tl.constexpr, NBITS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Phase 2: program p stamps tokens [p*BLOCK, (p+1)*BLOCK). The chain is a segmented scan
+    inside the block (flag = segment start or lane 0) plus, for the segment already open at the
+    block start (it began at s0 in block b0), a carry = tails[b0] + ... + tails[p-1]: block b0's
+    tail starts exactly at s0 and the blocks between hold no segment start."""
     pid = tl.program_id(0).to(tl.int64)
     block_start = pid * BLOCK
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -140,12 +158,12 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
     # carry for the segment open at block_start (r at lane 0 is the smallest r in the block)
     r0 = tl.min(r, 0)
     s0 = tl.load(woff_ptr + tl.minimum(r0, bs), mask=r0 < bs, other=block_start)
+    s0 = tl.maximum(s0, 0)  # unchecked device offsets may be negative: never re-read before input_ids
     carry = tl.zeros((), dtype=tl.uint64)
-    for b in range(s0, block_start, BLOCK):
-        tt = b + lane
-        mm = tt < block_start
-        carry += tl.sum(tl.where(mm, link64(tl.load(ids_ptr + tt, mask=mm, other=0),
-                                            tl.load(pos_ptr + tt, mask=mm, other=0)), 0), 0)
+    if HAS_CARRY:
+        for b in range(s0 // BLOCK, pid, BLOCK):
+            bb = b + lane
+            carry += tl.sum(tl.load(tails_ptr + bb, mask=bb < pid, other=0).to(tl.uint64, bitcast=True), 0)
     excl += tl.where((r == r0) & (s0 < block_start), carry, 0)
     s = tl.load(seed_ptr + r, mask=has, other=-1)
     seed_ok = has & (s > 0) & (s < num_slots)
@@ -184,23 +202,38 @@ def stamp(*, canary: torch.Tensor, out_cache_loc: torch.Tensor, input_ids: torch
           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, write_offsets: torch.Tensor, seed: torch.Tensor,
           ring: torch.Tensor, ring_counter: torch.Tensor, stats: torch.Tensor, tag: int,
           expected_tokens: torch.Tensor | None = None, lut: torch.Tensor | None = None,
-          backend: Backend = Backend.AUTO) -> None:
+          scratch: torch.Tensor | None = None, backend: Backend = Backend.AUTO) -> None:
     """Stamp the written slots (see module doc). Never raises on values; raises TypeError /
-    ValueError for wrong dtypes, shapes, devices, offsets length, ring or stats layout."""
+    ValueError for wrong dtypes, shapes, devices, offsets length, ring or stats layout.
+    ``scratch`` (int64[>= cdiv(T, 1024)]) holds the Triton path's per-block sums; it is allocated
+    when None (pass one inside CUDA-graph capture)."""
     device = validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens,
                             write_offsets, seed, expected_tokens, lut, ring, ring_counter, stats, tag)
     tag = int(tag)
     if use_triton(backend, device):
-        for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
-            check_contiguous(name, t)
+        for name, t in (("canary", canary), ("out_cache_loc", out_cache_loc), ("input_ids", input_ids),
+                        ("positions", positions), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                        ("write_offsets", write_offsets), ("seed", seed), ("expected_tokens", expected_tokens),
+                        ("lut", lut)):
+            if t is not None:
+                check_contiguous(name, t)
         n, bs = input_ids.shape[0], req_pool_indices.shape[0]
         block = 1024
-        _stamp_kernel[(max(cdiv(n, block), 1),)](
+        nblocks = max(cdiv(n, block), 1)
+        if scratch is None:
+            scratch = torch.empty(nblocks, dtype=torch.int64, device=device)
+        check_tensor("scratch", scratch, torch.int64, 1)
+        if scratch.shape[0] < nblocks:
+            raise ValueError(f"scratch length {scratch.shape[0]} < cdiv(T, 1024) ({nblocks})")
+        if nblocks > 1:
+            _stamp_tails_kernel[(nblocks,)](input_ids, positions, write_offsets, scratch, n, bs,
+                                            NBITS=num_bits(bs), BLOCK=block, num_warps=8)
+        _stamp_kernel[(nblocks,)](
             record_words(canary), out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
             seed, expected_tokens if expected_tokens is not None else input_ids, lut if lut is not None else seed,
-            ring, ring_counter, stats, n, bs, canary.shape[0], lut.shape[0] if lut is not None else 0, ring.shape[0],
-            tag, HAS_EXPECTED=expected_tokens is not None, HAS_LUT=lut is not None, NBITS=num_bits(bs), BLOCK=block,
-            num_warps=4)
+            scratch, ring, ring_counter, stats, n, bs, canary.shape[0], lut.shape[0] if lut is not None else 0,
+            ring.shape[0], tag, HAS_EXPECTED=expected_tokens is not None, HAS_LUT=lut is not None,
+            HAS_CARRY=nblocks > 1, NBITS=num_bits(bs), BLOCK=block, num_warps=8)
     else:
         _stamp_torch(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
                      seed, expected_tokens, lut, ring, ring_counter, stats, tag)

@@ -33,11 +33,12 @@ from kvcanary.core.record import (
     Reason,
     record_words,
 )
-from kvcanary.ops._common import Backend, cdiv, check_tensor, tl, triton, use_triton
+from kvcanary.ops._common import Backend, cdiv, check_contiguous, check_tensor, tl, triton, use_triton
 from kvcanary.ops._jit import append_violations, link64
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
+    block_words,
     fingerprint_torch,
     fold_sources,
     source_meta,
@@ -174,6 +175,7 @@ def verify(*, canary: torch.Tensor, plan: Plan, ring: torch.Tensor, ring_counter
     device = validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode)
     tag = int(tag)
     if use_triton(backend, device):
+        check_contiguous("canary", canary)
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
@@ -182,6 +184,6 @@ def verify(*, canary: torch.Tensor, plan: Plan, ring: torch.Tensor, ring_counter
             record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.count, plan.enable, ring,
             ring_counter, stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
             *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
-            BLOCK=block, BLOCK_W=128 if mode is FingerprintMode.ALL else 4, num_warps=4)
+            BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4, num_warps=4)
     else:
         _verify_torch(canary, plan, ring, ring_counter, stats, tag, sources, mode)

@@ -24,8 +24,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.config import CanaryConfig, Policy
-from kvcanary.core.record import (RECORD_BYTES, STAT_CHECKED, STAT_STAMPED, LaunchPoint, LaunchTag, PoolKind, Reason,
-                                  new_canary, new_ring, new_stats)
+from kvcanary.core.record import (
+    RECORD_BYTES,
+    STAT_CHECKED,
+    STAT_STAMPED,
+    LaunchPoint,
+    LaunchTag,
+    PoolKind,
+    Reason,
+    new_canary,
+    new_ring,
+    new_stats,
+)
 from kvcanary.errors import CanaryViolation, KVCanaryError
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens

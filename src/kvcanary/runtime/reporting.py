@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.core.record import (LaunchPoint, LaunchTag, Reason, ViolationRow, decode_rows, format_reasons)
+from kvcanary.core.record import LaunchPoint, LaunchTag, Reason, ViolationRow, decode_rows, format_reasons
 
 VIOLATION_RE = re.compile(
     r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "

@@ -1,0 +1,95 @@
+"""Reference engine throughput with the canary on vs off, interleaved runs of one workload.
+
+    python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH]
+
+Each repeat runs the same seeded workload once with the canary off and once per canary mode
+(log policy), alternating, and reports generated tokens per second; the ratio on/off is the
+figure. Every canary run must report zero violations (a clean workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.engine.canary_hooks import attach_canary
+from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.engine.engine import Engine
+from kvcanary.ops.fingerprint import FingerprintMode
+
+MODES = {"off": None, "none": FingerprintMode.NONE, "partial": FingerprintMode.PARTIAL, "all": FingerprintMode.ALL}
+
+
+def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    systems = [torch.randint(0, vocab, (60,), generator=g).tolist() for _ in range(3)]
+    return [systems[i % 3] + torch.randint(0, vocab, (int(torch.randint(5, 60, (1,), generator=g)),),
+                                           generator=g).tolist() for i in range(n)]
+
+
+def run_once(mode: str, device: str, prompts, max_new: int) -> dict:
+    mc = ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                     intermediate=768)
+    ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device)
+    if MODES[mode] is None:
+        engine, hooks = Engine(mc, ec), None
+    else:
+        engine, hooks = attach_canary(lambda h: Engine(mc, ec, h),
+                                      CanaryConfig(policy=Policy.LOG, real_kv=MODES[mode], sweep_interval=8))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, max_new)
+    if hooks is not None:
+        hooks.canary.flush(engine.step_index)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(v) for v in out.values())
+    return {"mode": mode, "seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "steps": engine.stats.num_steps,
+            "violations": hooks.canary.totals.violations if hooks else 0,
+            "canary_seconds": hooks.canary.totals.seconds if hooks else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="none,partial,all")
+    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
+                    else None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    prompts = workload(512, args.requests)
+    modes = ["off", *args.modes.split(",")]
+    run_once("off", args.device, prompts[:4], 4)  # warm-up (kernel compiles)
+    for m in modes[1:]:
+        run_once(m, args.device, prompts[:4], 4)
+    runs = [run_once(m, args.device, prompts, args.max_new_tokens) for _ in range(args.repeats) for m in modes]
+    off = statistics.median(r["tok_per_s"] for r in runs if r["mode"] == "off")
+    print(f"device {args.device}; {args.requests} requests x {args.max_new_tokens} new tokens; "
+          f"{args.repeats} interleaved repeats; median tokens/s")
+    print(f"{'mode':8} {'tok/s':>9} {'on/off':>7} {'canary share':>12} {'violations':>10}")
+    summary = []
+    for m in modes:
+        rs = [r for r in runs if r["mode"] == m]
+        tps = statistics.median(r["tok_per_s"] for r in rs)
+        share = statistics.median(r["canary_seconds"] / r["seconds"] for r in rs)
+        viol = sum(r["violations"] for r in rs)
+        summary.append({"mode": m, "tok_per_s": tps, "ratio": tps / off, "canary_share": share, "violations": viol})
+        print(f"{m:8} {tps:9.1f} {tps / off:7.3f} {share:12.3f} {viol:10d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "runs": runs, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

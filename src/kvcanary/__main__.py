@@ -1,0 +1,5 @@
+"""``python -m kvcanary``: the ``kv-canary`` command line."""
+
+from kvcanary.cli import main
+
+main()

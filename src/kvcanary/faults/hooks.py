@@ -1,0 +1,89 @@
+"""``FaultHooks``: an ``EngineHooks`` that runs faults around another set of hooks (the canary's).
+
+Within a step: ``before_forward`` runs every fault's ``before_forward`` and then the inner hooks'
+(sweep, HEAD); ``after_forward`` runs the inner hooks' (TAIL, step report) and then every fault's
+``after_forward`` (after handing them the violations the inner hooks reported for the forward,
+if any: ``on_report``); ``on_offload`` / ``on_load`` / ``on_free`` reach the inner hooks, then the
+faults (so their injections follow moved slots). ``after_step`` goes to the inner hooks only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcanary.config import CanaryConfig
+from kvcanary.engine.canary_hooks import CanaryHooks
+from kvcanary.engine.hooks import EngineHooks
+from kvcanary.faults.base import Fault, Injection
+from kvcanary.runtime.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from kvcanary.engine.engine import Engine
+
+
+class FaultHooks(EngineHooks):
+    def __init__(self, inner: EngineHooks, faults: Sequence[Fault]):
+        self.inner, self.faults = inner, list(faults)
+        self.engine: Engine | None = None
+        self._num_reports = 0  # reports of the inner hooks already handed to the faults
+
+    def attach(self, engine: Engine) -> None:
+        """Give every fault the engine and the inner hooks' canary (if they drive one)."""
+        self.engine = engine
+        canary = getattr(self.inner, "canary", None)
+        for fault in self.faults:
+            fault.attach(engine, canary)
+
+    @property
+    def injections(self) -> list[Injection]:
+        return sorted((i for f in self.faults for i in f.injections), key=lambda i: i.step)
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        for fault in self.faults:
+            fault.before_forward(batch, self.engine.step_index)
+        self.inner.before_forward(batch)
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        # the inner hooks may retract requests (recompute policy), clearing their page-table rows
+        tables = batch.req_to_token[batch.req_pool_indices].clone() if self.injections else None
+        self.inner.after_forward(batch)
+        reports = getattr(self.inner, "reports", [])
+        violations = [v for r in reports[self._num_reports:] for v in r.violations]
+        self._num_reports = len(reports)
+        for fault in self.faults:
+            if violations and tables is not None:
+                fault.on_report(batch.request_ids or (), tables, violations)
+            fault.after_forward(batch, self.engine.step_index)
+
+    def after_step(self, step_index: int) -> None:
+        self.inner.after_step(step_index)
+
+    def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        self.inner.on_offload(device_slots, host_rows)
+        for fault in self.faults:
+            fault.on_offload(device_slots, host_rows)
+
+    def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self.inner.on_load(host_rows, device_slots)
+        for fault in self.faults:
+            fault.on_load(host_rows, device_slots)
+
+    def on_free(self, slots: torch.Tensor) -> None:
+        self.inner.on_free(slots)
+        for fault in self.faults:
+            fault.on_free(slots)
+
+
+def attach_faults(engine_factory: Callable[[EngineHooks], Engine], config: CanaryConfig,
+                  faults: Sequence[Fault]) -> tuple[Engine, CanaryHooks, FaultHooks]:
+    """Build an engine whose canary runs inside ``faults``: ``engine_factory(hooks)`` returns the
+    Engine. Returns (engine, canary hooks, fault hooks)."""
+    canary_hooks = CanaryHooks(config)
+    fault_hooks = FaultHooks(canary_hooks, faults)
+    engine = engine_factory(fault_hooks)
+    canary_hooks.attach(engine)
+    fault_hooks.attach(engine)
+    return engine, canary_hooks, fault_hooks

@@ -1,0 +1,109 @@
+"""The reporting pipeline: violation line and regex, JSON form, owners, and a live run's log."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvcanary.config import Policy
+from kvcanary.core.hashing import MASK64
+from kvcanary.core.record import Half, LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow
+from kvcanary.faults import PageTableRepoint
+from kvcanary.faults.campaign import run_once
+from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.reporting import VIOLATION_RE, StepMeta, Violation, owners_of
+
+from ._helpers import small_setup
+
+
+def violation(**overrides) -> Violation:
+    fields = dict(step=12, tag=LaunchTag(LaunchPoint.HEAD), reasons=Reason.CHAIN | Reason.POSITION, slot=183,
+                  position=5, token=17, expected_token=-1, stored_value=-0x1F00000000000001,
+                  expected_value=0x1A2B3C4D5E6F7081, owners=((7, 5), (9, 5)))
+    return Violation(**(fields | overrides))
+
+
+def parse(line: str) -> dict:
+    m = VIOLATION_RE.match(line)
+    assert m is not None, line
+    return m.groupdict()
+
+
+@pytest.mark.parametrize("owners", [((7, 5), (9, 5)), (("cache", 40),), ()])
+def test_line_round_trips_through_the_regex(owners):
+    v = violation(owners=owners)
+    g = parse(v.line())
+    assert int(g["step"]) == v.step and g["tag"] == "HEAD.FULL.K"
+    assert Reason.parse(g["reason"]) == v.reasons
+    assert (int(g["slot"]), int(g["position"]), int(g["token"]), int(g["expected_token"])) == (183, 5, 17, -1)
+    assert int(g["stored"], 16) == v.stored_value & MASK64 and int(g["expected"], 16) == v.expected_value
+    pairs = [p.split("@") for p in g["requests"].split(",")] if g["requests"] else []
+    assert [(r, int(p)) for r, p in pairs] == [(str(r), p) for r, p in owners]
+
+
+@pytest.mark.parametrize("point", list(LaunchPoint))
+@pytest.mark.parametrize("pool", list(PoolKind))
+@pytest.mark.parametrize("half", list(Half))
+def test_every_tag_and_reason_parses(point, pool, half):
+    for bits in [*Reason, Reason(0b111111), Reason.FINGERPRINT | Reason.VERIFY_TOKEN]:
+        g = parse(violation(tag=LaunchTag(point, pool, half), reasons=bits, slot=-1, position=-1).line())
+        assert g["tag"] == f"{point.name}.{pool.name}.{half.name}" and Reason.parse(g["reason"]) == bits
+
+
+def test_to_json_fields():
+    out = violation(tag=LaunchTag(LaunchPoint.SWEEP, PoolKind.SWA, Half.V), owners=(("cache", 3),)).to_json()
+    assert out == {"step": 12, "tag": "SWEEP.SWA.V", "launch_point": "SWEEP", "pool": "SWA",
+                   "reasons": ["chain", "position"], "slot": 183, "position": 5, "token": 17, "expected_token": -1,
+                   "stored_value": -0x1F00000000000001, "expected_value": 0x1A2B3C4D5E6F7081,
+                   "requests": [{"request": "cache", "position": 3}]}
+    json.dumps(out)
+    assert violation().requests == (7, 9) and violation(owners=(("cache", 1), (4, 2))).requests == (4,)
+
+
+def _batch(request_ids=(10, 11, 99)) -> ForwardBatch:
+    """Rows 1 and 2 share slots 5, 6 (a cached prefix); row 0 is a padding request."""
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    table[1, :5] = torch.tensor([5, 6, 7, 8, 42])  # position 4 lies beyond the request's end
+    table[2, :3] = torch.tensor([5, 6, 9])
+    table[0, 0] = 5  # padding row: never an owner
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
+    return ForwardBatch(req_pool_indices=i64([1, 2, 0]), prefix_lens=i64([3, 2, 0]), extend_lens=i64([1, 1, 1]),
+                        req_to_token=table, input_ids=i64([1, 2, 0]), positions=i64([3, 2, 0]),
+                        out_cache_loc=i64([8, 9, 0]), request_ids=request_ids)
+
+
+def _row(point: LaunchPoint, slot: int) -> ViolationRow:
+    return ViolationRow(LaunchTag(point), slot, 0, 0, -1, 0, 0, Reason.CHAIN)
+
+
+@pytest.mark.parametrize("slot, owners", [(6, ((10, 1), (11, 1))), (8, ((10, 3),)), (9, ((11, 2),)),
+                                          (42, ()), (0, ()), (77, ())])
+def test_owners_are_the_requests_that_hold_the_slot(slot, owners):
+    meta = StepMeta(3, batch=_batch())
+    for point in (LaunchPoint.HEAD, LaunchPoint.TAIL):
+        assert owners_of(meta, _row(point, slot)) == owners
+
+
+def test_owners_without_request_ids_are_batch_indices_and_sweeps_name_the_cache():
+    assert owners_of(StepMeta(0, batch=_batch(None)), _row(LaunchPoint.HEAD, 5)) == ((0, 0), (1, 0))
+    meta = StepMeta(0, sweep_slots={77: 40})
+    assert owners_of(meta, _row(LaunchPoint.SWEEP, 77)) == (("cache", 40),)
+    assert owners_of(meta, _row(LaunchPoint.SWEEP, 78)) == ()
+    assert owners_of(StepMeta(0), _row(LaunchPoint.HEAD, 5)) == ()
+
+
+def test_a_live_run_logs_parseable_lines_naming_the_damaged_request(caplog):
+    fault = PageTableRepoint(seed=1, warmup_steps=20)
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        out = run_once(small_setup(policy=Policy.LOG), [fault])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation")]
+    assert len(lines) == len(out.violations) == out.hooks.canary.totals.violations > 0
+    parsed = [parse(line) for line in lines]
+    victim = fault.injections[0].detail.split()[0].removeprefix("request=")
+    first = parsed[0]
+    assert first["tag"].startswith("HEAD") and int(first["step"]) == fault.injections[0].step
+    assert victim in [p.split("@")[0] for p in first["requests"].split(",")]
+    assert [int(g["slot"]) for g in parsed] == [v.slot for v in out.violations]
