@@ -1,0 +1,30 @@
+"""Test-wide setup: run Triton kernels under the interpreter when there is no GPU, and the
+hypothesis profiles (``--hypothesis-profile thorough`` for a longer local run)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    # The interpreter switch must be set before triton is imported; torch itself does not import it.
+    if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1; "
+                           "set it in the environment to run the Triton kernels on CPU tensors")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# CI: few examples, the same ones every run; thorough: many fresh ones, for hunting locally.
+settings.register_profile("default", max_examples=12, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=300, **_COMMON)
+settings.load_profile("default")
+
+
+def pytest_configure(config):
+    # Triton's interpreter (3.6) trips numpy's 1-element-array deprecation on every launch: noise, not ours.
+    config.addinivalue_line("filterwarnings",
+                            "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")

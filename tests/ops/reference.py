@@ -1,0 +1,217 @@
+"""Pure-Python oracles of the canary ops, written from the ops' module docstrings.
+
+Plain lists and ints only: every value is a Python int holding the signed int64 (or int32)
+pattern the tensors hold, so results compare directly with ``tensor.tolist()``. A canary is a
+list of records ``[token, position, chain, fingerprint]``; a violation row is a list of eight
+ints in ``core.record`` column order. Row order is unspecified in the ops, so callers compare
+sorted rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcanary.core.hashing import ANCHOR, GOLDEN, MASK64, link, splitmix64, to_signed
+from kvcanary.core.record import Reason
+from kvcanary.ops.fingerprint import FP_SEED, PARTIAL_BYTES, FingerprintMode, KVSource
+
+Row = list[int]
+
+
+def to_int32(x: int) -> int:
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >> 31 else x
+
+
+# --- scatter_req_token_ids -----------------------------------------------------------------
+
+def scatter_req_token_ids(flat_in: list[int], offsets: list[int], req_pool_indices: list[int],
+                          pool_out: list[list[int]], width: int) -> list[list[int]]:
+    """``pool_out[row_r, :n] = int32(flat_in[off_r : off_r + n])``, ``n = min(len_r, width)``."""
+    out = [list(row) for row in pool_out]
+    for r, row in enumerate(req_pool_indices):
+        n = min(offsets[r + 1] - offsets[r], width)
+        for c in range(n):
+            out[row][c] = to_int32(flat_in[offsets[r] + c])
+    return out
+
+
+# --- gather_expected_tokens ----------------------------------------------------------------
+
+def gather_expected_tokens(truth: list[list[int]], width: int, truth_lens: list[int], req_pool_indices: list[int],
+                           prefix_lens: list[int], extend_offsets: list[int], input_ids: list[int],
+                           shift: int = 0) -> list[int]:
+    out = list(input_ids)
+    for r, row in enumerate(req_pool_indices):
+        for t in range(extend_offsets[r], extend_offsets[r + 1]):
+            p = prefix_lens[r] + (t - extend_offsets[r]) + shift
+            if row >= 1 and 0 <= p < min(truth_lens[r], width):
+                out[t] = truth[row][p]
+    return out
+
+
+# --- build_plan ----------------------------------------------------------------------------
+
+PLAN_FIELDS = ("slot", "pred", "position", "token", "count", "enable", "overflow", "verify_offsets",
+               "write_offsets", "seed")
+
+
+def translate(slot: int, lut: list[int] | None) -> int:
+    """T of plan.py: through the LUT (outside it: -1), then 0 -> -1."""
+    if lut is not None:
+        slot = lut[slot] if 0 <= slot < len(lut) else -1
+    return -1 if slot == 0 else slot
+
+
+def build_plan(req_pool_indices: list[int], prefix_lens: list[int], extend_lens: list[int],
+               req_to_token: list[list[int]], max_ctx: int, plan: dict[str, list[int]],
+               truth: list[list[int]] | None = None, truth_width: int = 0, truth_lens: list[int] | None = None,
+               lut: list[int] | None = None, window: int = 0) -> dict[str, list[int]]:
+    """A new plan (dict of field -> list) from the old buffers ``plan`` and one forward."""
+    new = {k: list(v) for k, v in plan.items()}
+    rows = len(req_to_token)
+    entries, voff, woff, seed = [], [0], [0], []
+    for r, row in enumerate(req_pool_indices):
+        active = 1 <= row < rows
+        end = min(max(prefix_lens[r], 0), max_ctx)
+        lo = max(end - window, 0) if window else 0
+        if active:
+            for p in range(lo, end):
+                slot = translate(req_to_token[row][p], lut)
+                pred = translate(req_to_token[row][p - 1], lut) if p > 0 else -1
+                known = truth is not None and p < truth_lens[r] and p < truth_width
+                entries.append((slot, pred, p, truth[row][p] if known else -1))
+        voff.append(len(entries))
+        woff.append(woff[-1] + max(extend_lens[r], 0))
+        seed.append(translate(req_to_token[row][end - 1], lut) if active and end > 0 else -1)
+    cap = len(new["slot"])
+    for e, (slot, pred, p, tok) in enumerate(entries[:cap]):
+        new["slot"][e], new["pred"][e], new["position"][e], new["token"][e] = slot, pred, p, tok
+    new["count"] = [len(entries)]
+    new["enable"] = [int(len(entries) <= cap)]
+    new["overflow"] = [new["overflow"][0] + int(len(entries) > cap)]
+    bs = len(req_pool_indices)
+    new["verify_offsets"][: bs + 1] = voff
+    new["write_offsets"][: bs + 1] = woff
+    new["seed"][:bs] = seed
+    return new
+
+
+# --- stamp ---------------------------------------------------------------------------------
+
+def stamp(words: list[list[int]], out_cache_loc: list[int], input_ids: list[int], positions: list[int],
+          req_pool_indices: list[int], prefix_lens: list[int], write_offsets: list[int], seed: list[int], tag: int,
+          expected_tokens: list[int] | None = None, lut: list[int] | None = None
+          ) -> tuple[list[list[int]], list[Row], int]:
+    """Returns (new records, violation rows, number of slots stamped). Seeds are read before any write."""
+    num_slots = len(words)
+    new = [list(w) for w in words]
+    rows, stamped = [], 0
+    for r, req_row in enumerate(req_pool_indices):
+        s = seed[r]
+        seed_ok = 0 < s < num_slots
+        if seed_ok:
+            s_tok, s_pos, s_chain, _ = words[s]
+            acc = (s_chain + link(s_tok, s_pos)) & MASK64
+        else:
+            acc = ANCHOR
+        for j, t in enumerate(range(write_offsets[r], write_offsets[r + 1])):
+            tok, pos = input_ids[t], positions[t]
+            chain, acc = acc, (acc + link(tok, pos)) & MASK64
+            slot = translate(out_cache_loc[t], lut) if lut is not None else out_cache_loc[t]
+            if req_row == 0:
+                continue
+            if 0 < slot < num_slots:
+                new[slot] = [tok, pos, to_signed(chain), 0]
+                stamped += 1
+            want_pos = prefix_lens[r] + j
+            if pos == want_pos and j == 0 and seed_ok and words[s][1] + 1 != pos:
+                want_pos = words[s][1] + 1
+            exp_tok = expected_tokens[t] if expected_tokens is not None else tok
+            reasons = Reason.WRITE_POSITION * (pos != want_pos) + Reason.WRITE_TOKEN * (tok != exp_tok)
+            if reasons:
+                stored, want = (pos, want_pos) if pos != want_pos else (tok, exp_tok)
+                rows.append([tag, slot, pos, tok, exp_tok, stored, want, int(reasons)])
+    return new, rows, stamped
+
+
+# --- fingerprint ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RefSource:
+    """A KV source as a list of int32 words plus its geometry."""
+
+    words: list[int]
+    page_size: int
+    page_stride_bytes: int
+    bytes_per_token: int
+
+    @classmethod
+    def of(cls, src: KVSource) -> RefSource:
+        stride = src.page_stride_bytes or src.page_size * src.bytes_per_token
+        return cls(src.words.cpu().tolist(), src.page_size, stride, src.bytes_per_token)
+
+
+def fingerprint_slot(slot: int, sources: list[RefSource], mode: FingerprintMode) -> int:
+    """The word fold of fingerprint.py for one valid slot (signed)."""
+    h = FP_SEED
+    for i, src in enumerate(sources):
+        n_bytes = PARTIAL_BYTES if mode is FingerprintMode.PARTIAL else src.bytes_per_token
+        n_words = min(n_bytes, src.bytes_per_token) // 4
+        start = ((slot // src.page_size) * src.page_stride_bytes + (slot % src.page_size) * src.bytes_per_token) // 4
+        acc = 0
+        for w in range(n_words):
+            acc += (src.words[start + w] & 0xFFFFFFFF) * ((2 * w + 1) * GOLDEN)
+        h = splitmix64(h ^ ((acc + (i + 1) * GOLDEN) & MASK64))
+    return to_signed(h)
+
+
+def fingerprint(slots: list[int], sources: list[RefSource], mode: FingerprintMode, words: list[list[int]],
+                record: bool = False) -> tuple[list[int], list[list[int]]]:
+    """Returns (fingerprint per slot, new records). Invalid slots give 0; mode NONE gives 0."""
+    num_slots = len(words)
+    new = [list(w) for w in words]
+    out = []
+    for s in slots:
+        ok = 0 < s < num_slots
+        fp = fingerprint_slot(s, sources, mode) if ok and mode is not FingerprintMode.NONE and sources else 0
+        out.append(fp)
+        if ok and record:
+            new[s][3] = fp
+    return out, new
+
+
+# --- verify --------------------------------------------------------------------------------
+
+def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources: list[RefSource] = (),
+           mode: FingerprintMode = FingerprintMode.NONE) -> tuple[list[Row], int]:
+    """Returns (violation rows, number of slots checked); the launch count is always one."""
+    num_slots = len(words)
+    cap = len(plan["slot"])
+    limit = min(plan["count"][0], cap) if plan["enable"][0] else 0
+    check_fp = mode is not FingerprintMode.NONE and len(sources) > 0
+    rows, checked = [], 0
+    for e in range(limit):
+        slot, pred, epos, etok = plan["slot"][e], plan["pred"][e], plan["position"][e], plan["token"][e]
+        if slot == 0:
+            continue
+        checked += 1
+        if not 0 < slot < num_slots:
+            rows.append([tag, slot, -1, -1, etok, -1, -1, int(Reason.CHAIN | Reason.POSITION)])
+            continue
+        tok, pos, chain, fp = words[slot]
+        if 0 < pred < num_slots:
+            p_tok, p_pos, p_chain, _ = words[pred]
+            exp_chain = to_signed(p_chain + link(p_tok, p_pos))
+        else:
+            exp_chain = None if epos != 0 else to_signed(ANCHOR)
+        exp_fp = fingerprint_slot(slot, sources, mode) if check_fp else fp
+        checks = [(Reason.CHAIN, exp_chain is not None and chain != exp_chain, chain, exp_chain),
+                  (Reason.POSITION, pos != epos, pos, epos),
+                  (Reason.FINGERPRINT, fp != exp_fp, fp, exp_fp),
+                  (Reason.VERIFY_TOKEN, etok != -1 and tok != etok, tok, etok)]
+        failed = [c for c in checks if c[1]]
+        if failed:
+            reasons = sum(int(c[0]) for c in failed)
+            rows.append([tag, slot, pos, tok, etok, failed[0][2], failed[0][3], reasons])
+    return rows, checked

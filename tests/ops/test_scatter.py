@@ -1,0 +1,244 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcanary.ops import scatter as scatter_mod
+from kvcanary.ops._common import Backend
+from kvcanary.ops.scatter import ERR_OFFSETS, ERR_ROWS, offsets_from_lengths, scatter_req_token_ids
+
+from . import reference as ref
+from ._compare import assert_same
+from ._helpers import BACKEND_IDS, BACKENDS, INT32_MAX, INT32_MIN, SEEDS, device_for, run_op, token_ids
+
+GUARD = 2
+SENTINEL = -7
+
+
+def make_inputs(gen: torch.Generator, bs: int, width: int, max_len: int, extra_rows: int = 2) -> dict:
+    """Distinct rows per request (row 0 possibly once), some zero-length padding requests on row 0,
+    lengths up to ``max_len`` (beyond ``width``: truncated), pool_out prefilled with random ids."""
+    rows = bs + extra_rows + 1
+    rpi = torch.randperm(rows, generator=gen)[:bs]
+    lengths = torch.randint(0, max_len + 1, (bs,), generator=gen)
+    pad = torch.rand(bs, generator=gen) < 0.2
+    rpi[pad], lengths[pad] = 0, 0
+    offsets = offsets_from_lengths(lengths)
+    flat_in = token_ids(gen, int(offsets[-1]), INT32_MIN, INT32_MAX)
+    pool_out = torch.randint(-1000, 1000, (rows, width), dtype=torch.int32, generator=gen)
+    return dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=pool_out)
+
+
+def expected_pool(inputs: dict) -> list[list[int]]:
+    return ref.scatter_req_token_ids(inputs["flat_in"].tolist(), inputs["offsets"].tolist(),
+                                     inputs["req_pool_indices"].tolist(), inputs["pool_out"].tolist(),
+                                     inputs["pool_out"].shape[1])
+
+
+def check_all_backends(inputs: dict, backends=BACKENDS) -> None:
+    want = expected_pool(inputs)
+    for backend in backends:
+        args, flag = run_op(scatter_req_token_ids, backend, **inputs)
+        assert_same(f"pool_out [{backend.value}]", args["pool_out"], want)
+        assert flag.dtype == torch.int32 and flag.tolist() == [0], backend
+
+
+@given(seed=SEEDS, bs=st.integers(0, 12), width=st.integers(1, 10))
+def test_matches_reference(seed, bs, width):
+    gen = torch.Generator().manual_seed(seed)
+    check_all_backends(make_inputs(gen, bs, width, max_len=width + 3))
+
+
+def test_empty_batch():
+    pool = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    inputs = dict(flat_in=torch.zeros(0, dtype=torch.int64), offsets=torch.zeros(1, dtype=torch.int64),
+                  req_pool_indices=torch.zeros(0, dtype=torch.int64), pool_out=pool)
+    check_all_backends(inputs)
+
+
+def test_truncates_at_width_and_keeps_the_rest_of_the_row():
+    pool = torch.full((4, 5), -1, dtype=torch.int32)
+    lengths = torch.tensor([5, 6, 4, 0])  # == width, width + 1, width - 1, empty
+    inputs = dict(flat_in=torch.arange(1, 16), offsets=offsets_from_lengths(lengths),
+                  req_pool_indices=torch.tensor([1, 3, 2, 0]), pool_out=pool)
+    check_all_backends(inputs)
+    args, _ = run_op(scatter_req_token_ids, Backend.TORCH, **inputs)
+    assert args["pool_out"].tolist() == [[-1] * 5, [1, 2, 3, 4, 5], [12, 13, 14, 15, -1], [6, 7, 8, 9, 10]]
+
+
+def test_int32_wraps_like_a_cast():
+    inputs = dict(flat_in=torch.tensor([2**31, -(2**31) - 1, 2**32 + 5, -1]), offsets=torch.tensor([0, 4]),
+                  req_pool_indices=torch.tensor([1]), pool_out=torch.zeros(2, 4, dtype=torch.int32))
+    check_all_backends(inputs)
+
+
+def test_one_long_request_spans_many_blocks():
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([3, 2500, 0, 1, 7])
+    offsets = offsets_from_lengths(lengths)
+    inputs = dict(flat_in=token_ids(gen, int(offsets[-1]), INT32_MIN, INT32_MAX), offsets=offsets,
+                  req_pool_indices=torch.tensor([4, 2, 0, 1, 3]),
+                  pool_out=torch.randint(0, 9, (6, 2600), dtype=torch.int32, generator=gen))
+    check_all_backends(inputs)
+
+
+def test_more_than_4096_requests():
+    gen = torch.Generator().manual_seed(12)
+    check_all_backends(make_inputs(gen, bs=5000, width=6, max_len=8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_pool_out_may_be_a_column_slice(backend):
+    gen = torch.Generator().manual_seed(13)
+    inputs = make_inputs(gen, bs=6, width=5, max_len=7)
+    big = torch.randint(0, 9, (inputs["pool_out"].shape[0], 9), dtype=torch.int32, generator=gen)
+    big[:, 2:7] = inputs["pool_out"]
+    dev = device_for(backend)
+    out = big.to(dev, copy=True)
+    scatter_req_token_ids(**{k: v.to(dev) for k, v in inputs.items() if k != "pool_out"}, pool_out=out[:, 2:7],
+                          backend=backend)
+    assert_same("pool_out slice", out[:, 2:7], expected_pool(inputs))
+    assert_same("columns outside the slice", torch.cat([out[:, :2], out[:, 7:]], 1),
+                torch.cat([big[:, :2], big[:, 7:]], 1))
+
+
+# --- validation ------------------------------------------------------------------------------
+
+def valid_inputs() -> dict:
+    return dict(flat_in=torch.arange(7), offsets=torch.tensor([0, 3, 3, 7]), req_pool_indices=torch.tensor([1, 0, 2]),
+                pool_out=torch.zeros(4, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("change, exc, fragment", [
+    (dict(flat_in=torch.arange(7, dtype=torch.int32)), TypeError, "flat_in dtype int32 != int64"),
+    (dict(offsets=torch.tensor([0, 3, 3, 7], dtype=torch.int32)), TypeError, "offsets dtype int32 != int64"),
+    (dict(req_pool_indices=torch.tensor([1.0, 0.0, 2.0])), TypeError, "req_pool_indices dtype float32 != int64"),
+    (dict(pool_out=torch.zeros(4, 8, dtype=torch.int64)), TypeError, "pool_out dtype int64 != int32"),
+    (dict(flat_in=[0, 1, 2]), TypeError, "flat_in must be a torch.Tensor, got list"),
+    (dict(flat_in=torch.arange(8).reshape(2, 4)), ValueError, "flat_in must be 1-D, got shape (2, 4)"),
+    (dict(offsets=torch.tensor([[0, 3, 3, 7]])), ValueError, "offsets must be 1-D"),
+    (dict(req_pool_indices=torch.tensor(1)), ValueError, "req_pool_indices must be 1-D, got shape ()"),
+    (dict(pool_out=torch.zeros(32, dtype=torch.int32)), ValueError, "pool_out must be 2-D"),
+    (dict(offsets=torch.tensor([0, 3, 3, 7, 7])), ValueError, "offsets length 5 != bs+1 (4)"),
+    (dict(offsets=torch.tensor([0, 3, 7])), ValueError, "offsets length 3 != bs+1 (4)"),
+    (dict(offsets=torch.tensor([1, 3, 3, 7])), ValueError, "offsets[0] 1 != 0"),
+    (dict(offsets=torch.tensor([0, 3, 2, 7])), ValueError, "offsets decrease at index 2: 2 < 3"),
+    (dict(offsets=torch.tensor([0, 3, 3, 6])), ValueError, "offsets[-1] 6 != len(flat_in) (7)"),
+    (dict(req_pool_indices=torch.tensor([1, 4, 2])), ValueError, r"req_pool_indices[1] = 4 out of range [0, 4)"),
+    (dict(req_pool_indices=torch.tensor([1, 0, -1])), ValueError, r"req_pool_indices[2] = -1 out of range [0, 4)"),
+    (dict(error_flag=torch.zeros(1, dtype=torch.int64)), TypeError, "error_flag dtype int64 != int32"),
+    (dict(error_flag=torch.zeros(1, 1, dtype=torch.int32)), ValueError, "error_flag must be 1-D"),
+    (dict(flat_in=torch.arange(7, device="meta")), ValueError, "offsets is on cpu but flat_in is on meta"),
+])
+def test_validation_errors(change, exc, fragment):
+    for backend in BACKENDS:
+        with pytest.raises(exc) as info:
+            scatter_req_token_ids(**{**valid_inputs(), **change}, backend=backend)
+        assert fragment in str(info.value)
+
+
+def test_offsets_error_tells_how_to_build_offsets():
+    with pytest.raises(ValueError, match=r"offsets length 5 != bs\+1 \(4\); build offsets with offsets_from_lengths"):
+        scatter_req_token_ids(**{**valid_inputs(), "offsets": torch.tensor([0, 3, 3, 7, 7])})
+
+
+def test_triton_layout_errors():
+    with pytest.raises(ValueError, match="flat_in must be contiguous"):
+        scatter_req_token_ids(**{**valid_inputs(), "flat_in": torch.arange(14)[::2]}, backend=Backend.TRITON)
+    pool_t = torch.zeros(8, 4, dtype=torch.int32).t()
+    with pytest.raises(ValueError, match=r"pool_out must have unit column stride, got strides \(1, 4\)"):
+        scatter_req_token_ids(**{**valid_inputs(), "pool_out": pool_t}, backend=Backend.TRITON)
+
+
+def test_triton_backend_without_triton(monkeypatch):
+    from kvcanary.ops import _common
+
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    with pytest.raises(RuntimeError, match="the Triton backend was requested but triton is not installed"):
+        scatter_req_token_ids(**valid_inputs(), backend=Backend.TRITON)
+    scatter_req_token_ids(**valid_inputs())  # CPU tensors take the torch path anyway
+
+
+def test_offsets_from_lengths():
+    assert offsets_from_lengths(torch.tensor([3, 0, 4], dtype=torch.int32)).tolist() == [0, 3, 3, 7]
+    assert offsets_from_lengths(torch.zeros(0, dtype=torch.int64)).tolist() == [0]
+    with pytest.raises(ValueError, match="lengths must be a 1-D tensor"):
+        offsets_from_lengths(torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="lengths dtype torch.float32 is not an integer dtype"):
+        offsets_from_lengths(torch.ones(3))
+    with pytest.raises(ValueError, match="lengths must be >= 0, got min -2"):
+        offsets_from_lengths(torch.tensor([1, -2]))
+
+
+# --- device-side safety ------------------------------------------------------------------------
+
+def guarded_pool(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(buffer, pool_out view, guard mask): the view sits inside a sentinel-filled buffer with
+    GUARD rows and columns on every side."""
+    big = torch.full((rows + 2 * GUARD, width + 2 * GUARD), SENTINEL, dtype=torch.int32)
+    inner = (slice(GUARD, GUARD + rows), slice(GUARD, GUARD + width))
+    big[inner] = torch.arange(rows * width, dtype=torch.int32).reshape(rows, width) + 100
+    guard = torch.ones_like(big, dtype=torch.bool)
+    guard[inner] = False
+    return big, big[inner], guard
+
+
+BAD_VALUES = [  # (offsets, req_pool_indices, expected error bits); flat_in has 7 ids, pool has 4 rows
+    ([0, 3, 3, 7], [1, 0, 2], 0),
+    ([2, 3, 3, 7], [1, 0, 2], ERR_OFFSETS),
+    ([0, 5, 3, 7], [1, 0, 2], ERR_OFFSETS),
+    ([0, 3, 3, 9], [1, 0, 2], ERR_OFFSETS),
+    ([0, 3, 3, 5], [1, 0, 2], ERR_OFFSETS),
+    ([-4, 3, 3, 7], [1, 3, 2], ERR_OFFSETS),
+    ([0, -2**40, 3, 7], [1, 3, 2], ERR_OFFSETS),
+    ([0, 3, 3, 7], [1, 4, 2], ERR_ROWS),
+    ([0, 3, 3, 7], [-1, 0, 2**40], ERR_ROWS),
+    ([0, 9, 2, 7], [3, -5, 2], ERR_OFFSETS | ERR_ROWS),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("offsets, rows, bits", BAD_VALUES)
+def test_device_values_are_masked_and_flagged(monkeypatch, backend, offsets, rows, bits):
+    """Device tensors skip the value checks: bad offsets and rows only raise flag bits, and
+    nothing outside the valid addressed rows changes."""
+    monkeypatch.setattr(scatter_mod, "is_host", lambda t: False)  # validate as for device tensors
+    big, _, guard = guarded_pool(4, 3)
+    before = big.clone()
+    big = big.to(device_for(backend))
+    flag = torch.tensor([64], dtype=torch.int32, device=big.device)  # bits already set stay set
+    flat_in = torch.arange(1, 8)
+    scatter_req_token_ids(flat_in=flat_in.to(big.device), offsets=torch.tensor(offsets, device=big.device),
+                          req_pool_indices=torch.tensor(rows, device=big.device),
+                          pool_out=big[GUARD:GUARD + 4, GUARD:GUARD + 3], error_flag=flag, backend=backend)
+    big = big.cpu()
+    assert flag.tolist() == [64 | bits]
+    assert_same("guards", big[guard], before[guard])
+    addressed = {r for r in rows if 0 <= r < 4}
+    for r in set(range(4)) - addressed:
+        assert_same(f"row {r} (not addressed)", big[GUARD + r], before[GUARD + r])
+    if bits in (0, ERR_ROWS):  # good offsets: valid rows are written as usual, bad ones skipped
+        scratch = 4  # the reference writes skipped requests into an extra row, dropped after
+        pool = before[GUARD:GUARD + 4, GUARD:GUARD + 3].tolist() + [[0] * 3]
+        mapped = [r if r in addressed else scratch for r in rows]
+        want = ref.scatter_req_token_ids(flat_in.tolist(), offsets, mapped, pool, 3)[:4]
+        assert_same("pool_out", big[GUARD:GUARD + 4, GUARD:GUARD + 3], want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_device_bad_rows_with_many_requests(monkeypatch, backend):
+    """The flag scan covers every request, not only the first block."""
+    monkeypatch.setattr(scatter_mod, "is_host", lambda t: False)
+    bs = 3000
+    rpi = torch.arange(1, bs + 1)
+    rpi[2500] = bs + 7
+    good = dict(flat_in=torch.arange(bs), offsets=torch.arange(bs + 1), req_pool_indices=torch.arange(1, bs + 1),
+                pool_out=torch.zeros(bs + 1, 2, dtype=torch.int32))
+    _, flag = run_op(scatter_req_token_ids, backend, **{**good, "req_pool_indices": rpi})
+    assert flag.tolist() == [ERR_ROWS]
+    offsets = torch.arange(bs + 1)
+    offsets[2900] = 2950
+    _, flag = run_op(scatter_req_token_ids, backend, **{**good, "offsets": offsets})
+    assert flag.tolist() == [ERR_OFFSETS]
