@@ -154,7 +154,7 @@ class RefSource:
 
 def fingerprint_slot(slot: int, sources: list[RefSource], mode: FingerprintMode) -> int:
     """The word fold of fingerprint.py for one valid slot (signed)."""
-    h = FP_SEED
+    total = 0
     for i, src in enumerate(sources):
         n_bytes = PARTIAL_BYTES if mode is FingerprintMode.PARTIAL else src.bytes_per_token
         n_words = min(n_bytes, src.bytes_per_token) // 4
@@ -162,8 +162,8 @@ def fingerprint_slot(slot: int, sources: list[RefSource], mode: FingerprintMode)
         acc = 0
         for w in range(n_words):
             acc += (src.words[start + w] & 0xFFFFFFFF) * ((2 * w + 1) * GOLDEN)
-        h = splitmix64(h ^ ((acc + (i + 1) * GOLDEN) & MASK64))
-    return to_signed(h)
+        total += splitmix64((acc + (i + 1) * GOLDEN) & MASK64)
+    return to_signed(splitmix64(FP_SEED ^ (total & MASK64)))
 
 
 def fingerprint(slots: list[int], sources: list[RefSource], mode: FingerprintMode, words: list[list[int]],

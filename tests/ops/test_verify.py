@@ -21,6 +21,7 @@ from kvcanary.core.record import (
     LaunchTag,
     PoolKind,
     Reason,
+    new_canary,
     new_ring,
     new_stats,
     record_words,
@@ -551,3 +552,20 @@ def test_strided_canary_is_refused_or_honoured():
             continue
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], inputs["ring"],
                     int(inputs["ring_counter"]), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count,enable,expected", [(5, 2, 5), (-3, 1, 0), (10**9, 1, 8), (5, 0, 0)])
+def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expected):
+    """enable is a flag (any non-zero) and count is clamped to [0, capacity]: a hand-filled plan
+    never makes verify read past its buffers; every checked entry is a wild slot here."""
+    canary = new_canary(16)
+    plan = Plan.allocate(8, 1)
+    plan.slot.fill_(99)  # outside the 16-slot pool: each checked entry reports chain+position
+    plan.count.fill_(count)
+    plan.enable.fill_(enable)
+    ring, counter = new_ring(32)
+    stats = new_stats()
+    verify(canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=0, backend=backend)
+    assert int(counter[0]) == expected
+    assert int(stats[0, 1]) == expected and int(stats[0, 0]) == 1

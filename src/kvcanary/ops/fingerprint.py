@@ -9,7 +9,10 @@ The fold reads ``words`` int32 words per row (mode PARTIAL: the first 16 bytes; 
 row) and is a sum, so every word is independent and a row is read at memory speed::
 
     acc_i = sum_w uint32(word_w) * K_w   (mod 2**64),   K_w = (2w + 1) * GOLDEN   (odd)
-    fp    = h_n,  h_0 = FP_SEED,  h_{i+1} = splitmix64(h_i ^ (acc_i + (i + 1) * GOLDEN))
+    fp    = splitmix64(FP_SEED ^ sum_i splitmix64(acc_i + (i + 1) * GOLDEN))
+
+The sources are mixed independently and summed (not chained), so every source of every slot
+is folded in one vectorised pass.
 
 A change inside one word changes acc by d * K_w with K_w odd, so any single-word change (every
 bit flip) is always caught; multi-word changes collide with probability about 2**-64.
@@ -126,16 +129,20 @@ def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> to
     """Fingerprint of each slot (int64[n]); slots must be valid (the caller masks)."""
     from kvcanary.core.hashing import splitmix64_torch
 
-    h = torch.full(slots.shape, to_signed(FP_SEED), dtype=torch.int64, device=slots.device)
     s = slots.to(torch.int64)
-    for i, src in enumerate(sources):
+    accs = []
+    for src in sources:
         nw = src.words_read(mode)
-        base = (s // src.page_size) * (src.page_stride // 4) + (s % src.page_size) * (src.bytes_per_token // 4)
-        idx = base[:, None] + torch.arange(nw, device=s.device)[None, :]
-        words = src.words[idx].to(torch.int64) & 0xFFFFFFFF
-        acc = (words * _word_keys(nw, s.device)[None, :]).sum(dim=1)
-        h = splitmix64_torch(h ^ (acc + to_signed(((i + 1) * GOLDEN) & MASK64)))
-    return h
+        tw = src.bytes_per_token // 4
+        if src.page_stride == src.page_size * src.bytes_per_token:  # token-major: slot s is row s
+            words = src.words[: src.num_slots * tw].view(src.num_slots, tw)[:, :nw].index_select(0, s)
+        else:
+            base = (s // src.page_size) * (src.page_stride // 4) + (s % src.page_size) * tw
+            words = src.words[base[:, None] + torch.arange(nw, device=s.device)[None, :]]
+        accs.append(((words.to(torch.int64) & 0xFFFFFFFF) * _word_keys(nw, s.device)[None, :]).sum(dim=1))
+    salts = torch.tensor([to_signed(((i + 1) * GOLDEN) & MASK64) for i in range(len(sources))], device=s.device)
+    mixed = splitmix64_torch(torch.stack(accs) + salts[:, None]).sum(dim=0)
+    return splitmix64_torch(mixed ^ to_signed(FP_SEED))
 
 
 # --- triton --------------------------------------------------------------------------------
@@ -160,7 +167,7 @@ def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES
                  BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     """Fingerprint (uint64[BLOCK_S]) of ``slot`` lanes where ``ok``; ``meta_ptr`` holds per source
     (page_size, page_stride_words, token_words, words_read) as int64[4, 4]."""
-    h = tl.full((BLOCK_S,), 0x66696E6765727072, dtype=tl.uint64)
+    total = tl.zeros((BLOCK_S,), dtype=tl.uint64)
     for i in tl.static_range(NUM_SOURCES):
         ptr = w0_ptr
         if i == 1:
@@ -172,8 +179,8 @@ def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES
         acc = _source_acc(ptr, slot, ok, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1),
                           tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3), BLOCK_S, BLOCK_W)
         # (i + 1) * GOLDEN mod 2**64: from the second source on, the product no longer fits a uint64 constant
-        h = mix64(h ^ (acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)))
-    return h
+        total += mix64(acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
+    return mix64(total ^ 0x66696E6765727072)
 
 
 def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
@@ -228,7 +235,7 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, out: tor
     valid slot's value in its canary record. Slots <= 0 or >= num_slots give 0 and are skipped.
 
     ``num_slots`` comes from ``canary`` (uint8[num_slots, 32]), which is required. Mode NONE
-    writes zeros. ``meta`` may pass a preallocated table from ``source_args`` (CUDA graphs).
+    writes zeros. ``meta`` may pass a preallocated table from ``source_meta`` (CUDA graphs).
     Raises TypeError/ValueError for wrong dtypes, shapes, devices or sources.
     """
     check_tensor("slots", slots, torch.int64, 1)

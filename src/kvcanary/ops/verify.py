@@ -12,7 +12,7 @@ Entry e (slot, pred, position, token) with stored record (tok, pos, chain, fp) o
 
 Slot 0 is skipped. A slot < 0 or >= num_slots (unresolvable page-table entry) is reported as
 CHAIN+POSITION with stored fields -1. A predecessor outside (0, num_slots) counts as -1. Entries
-e < min(count, cap) are checked when ``enable`` is 1; ``stats[tag]`` gets one launch and the
+e < min(max(count, 0), cap) are checked when ``enable`` is non-zero; ``stats[tag]`` gets one launch and the
 number of slots checked. Rows go to the ring (order unspecified); the stored/expected value
 pair belongs to the first failing check in the order of the table.
 """
@@ -69,7 +69,7 @@ def validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode)
 def _verify_torch(canary, plan, ring, counter, stats, tag, sources, mode):
     num_slots = canary.shape[0]
     stats[tag, STAT_LAUNCHES] += 1
-    m = int(torch.minimum(plan.count, torch.tensor(plan.capacity))) if int(plan.enable[0]) else 0
+    m = min(max(int(plan.count[0]), 0), plan.capacity) if int(plan.enable[0]) != 0 else 0
     if m == 0:
         return
     words = record_words(canary)
@@ -116,7 +116,8 @@ def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, e
     min(count, cap) (none when enable is 0); each lane gathers its record and its predecessor's."""
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
-    limit = tl.minimum(tl.load(count_ptr), cap) * tl.load(enable_ptr).to(tl.int64)
+    limit = tl.minimum(tl.maximum(tl.load(count_ptr), 0), cap)
+    limit = tl.where(tl.load(enable_ptr) != 0, limit, 0)
     lane = tl.arange(0, BLOCK).to(tl.int64)
     checked = tl.zeros((), dtype=tl.int64)
     for base in range(pid * BLOCK, limit, nprog * BLOCK):
