@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -28,3 +29,14 @@ def pytest_configure(config):
     # Triton's interpreter (3.6) trips numpy's 1-element-array deprecation on every launch: noise, not ours.
     config.addinivalue_line("filterwarnings",
                             "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """The engine's tensors are tiny: on a small shared box, OpenMP barriers between threads cost
+    far more than the math (a [10, 64] x [64, 256] float64 matmul: ~20 us on 1 thread, up to ms on
+    2). Module scope, so it is in force before any module-scoped run fixture."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
