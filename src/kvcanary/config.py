@@ -30,8 +30,9 @@ class CanaryConfig:
     steps between sweeps of idle prefix-cache slots (0 = never); ``sweep_budget_bytes``: bytes one
     sweep may read. ``ring_capacity``: violation rows kept between reads. ``plan_capacity``: verify
     entries per forward (more disables that forward's verify and is counted). ``max_bs``: requests
-    per forward. ``stats_period``: steps between stats lines (0 = never). ``truth``: check tokens
-    against the requests' token history. ``watchdog_window``: steps a launch point may stay silent
+    per forward. ``stats_period``: steps between stats lines (0 = never). ``truth``: check the tokens
+    of every forward (written and read) against the requests' token history; sweeps check idle
+    cached slots against the tokens the engine passes with them (its prefix-cache keys) either way. ``watchdog_window``: steps a launch point may stay silent
     (0 = derived from the sweep interval)."""
 
     policy: Policy = Policy.LOG

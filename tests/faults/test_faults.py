@@ -28,10 +28,19 @@ from kvcanary.runtime.reporting import Violation
 from ._helpers import small_setup
 
 WARMUP = 24
-EXACT = {  # first violation's reasons with token truth and partial fingerprints on
+LOAD_BACK = None  # detected in the step its damaged host row is loaded back (see test_host_faults)
+EXACT = {  # first violation: launch point, every reason, steps after the injection; token truth and
+    # partial fingerprints on. Per-forward faults: within one step; sweep-only: at the next sweep.
     "page_table_repoint": (LaunchPoint.HEAD, Reason.CHAIN | Reason.POSITION | Reason.VERIFY_TOKEN, 0),
     "used_slot_flip": (LaunchPoint.TAIL, Reason.FINGERPRINT, 1),
     "cached_slot_flip": (LaunchPoint.SWEEP, Reason.FINGERPRINT, 0),
+    "written_slot_flip": (LaunchPoint.TAIL, Reason.FINGERPRINT, 1),
+    "sampled_token_swap": (LaunchPoint.HEAD, Reason.WRITE_TOKEN, 0),
+    "position_skew": (LaunchPoint.HEAD, Reason.WRITE_POSITION, 0),
+    "chunk_boundary_token": (LaunchPoint.HEAD, Reason.WRITE_TOKEN, 0),
+    "stamp_corruption": (LaunchPoint.HEAD, Reason.CHAIN, 0),
+    "host_row_flip": (LaunchPoint.SWEEP, Reason.FINGERPRINT, LOAD_BACK),
+    "host_row_mismatch": (LaunchPoint.SWEEP, Reason.CHAIN | Reason.POSITION, LOAD_BACK),
     "stale_slot_reuse": (LaunchPoint.TAIL, Reason.CHAIN | Reason.POSITION | Reason.FINGERPRINT | Reason.VERIFY_TOKEN,
                          0),
 }
@@ -46,6 +55,10 @@ def test_clean_twin_is_silent(clean):
     assert clean.violations == [] and clean.injections == [] and clean.alarms == []
 
 
+def test_every_fault_has_an_exact_expectation():
+    assert set(EXACT) == set(FAULTS)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_fault_is_detected_exactly(name, seed, clean, caplog):
@@ -54,10 +67,15 @@ def test_fault_is_detected_exactly(name, seed, clean, caplog):
         out = run_once(small_setup(), [fault])
     (inj,) = fault.injections
     assert inj.step >= WARMUP and inj.slot > 0
-    assert any(r.name == "kvcanary.faults" and f"fault {name}: step={inj.step} slot={inj.slot}" in r.getMessage()
-               for r in caplog.records)
-    verdict = judge(fault, fault.injections, out.violations)
     point, reasons, steps = EXACT[name]
+    if steps is LOAD_BACK:  # acted on the host (slot -1), then its row landed in inj.slot
+        steps = fault.load_step[inj] - inj.step
+        logged = [f"fault {name}: step={inj.step} slot=-1", f"loaded back into slot {inj.slot}"]
+    else:
+        logged = [f"fault {name}: step={inj.step} slot={inj.slot}"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvcanary.faults"]
+    assert all(any(line in m for m in messages) for line in logged), messages
+    verdict = judge(fault, fault.injections, out.violations)
     assert verdict.detected and verdict.false_positives == 0, verdict
     assert verdict.first_detection == f"{'+'.join(Reason.names(reasons))} @ {point.name}"
     assert verdict.steps_to_detection == steps
@@ -65,7 +83,7 @@ def test_fault_is_detected_exactly(name, seed, clean, caplog):
     assert len(clean.violations) == 0 and out.counts["requests"] == clean.counts["requests"]
 
 
-@pytest.mark.parametrize("name", ["used_slot_flip", "cached_slot_flip"])
+@pytest.mark.parametrize("name", ["used_slot_flip", "cached_slot_flip", "written_slot_flip"])
 def test_byte_flips_need_real_kv(name):
     out = run_once(small_setup(real_kv=FingerprintMode.NONE), [FAULTS[name](warmup_steps=WARMUP)])
     assert out.injections and out.violations == []  # the canary never reads K/V bytes in mode none

@@ -1,16 +1,33 @@
 """Fault injectors: each breaks the KV cache the way a class of real bugs does, through the
-engine's public objects and hooks, and records where and when it acted."""
+engine's public objects and hooks, and records where and when it acted.
+
+``FAULTS`` holds the injectors the reference engine can host, in the order of DESIGN.md §7;
+``PENDING_FAULTS`` those that wait for an engine feature (their ``pending`` says which).
+"""
 
 from __future__ import annotations
 
 from kvcanary.faults.base import Expectation, Fault, Injection
 from kvcanary.faults.cached_slot_flip import CachedSlotFlip
+from kvcanary.faults.chunk_boundary_token import ChunkBoundaryToken
 from kvcanary.faults.hooks import FaultHooks, attach_faults
+from kvcanary.faults.host_row_flip import HostRowFlip
+from kvcanary.faults.host_row_mismatch import HostRowMismatch
 from kvcanary.faults.page_table_repoint import PageTableRepoint
+from kvcanary.faults.position_skew import PositionSkew
+from kvcanary.faults.sampled_token_swap import SampledTokenSwap
+from kvcanary.faults.sliding_window_lut import SlidingWindowLut
 from kvcanary.faults.stale_slot_reuse import StaleSlotReuse
+from kvcanary.faults.stamp_corruption import StampCorruption, StampField
 from kvcanary.faults.used_slot_flip import UsedSlotFlip
+from kvcanary.faults.written_slot_flip import WrittenSlotFlip
 
-FAULTS: dict[str, type[Fault]] = {f.name: f for f in (PageTableRepoint, UsedSlotFlip, CachedSlotFlip, StaleSlotReuse)}
+FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
+    PageTableRepoint, UsedSlotFlip, CachedSlotFlip, WrittenSlotFlip, SampledTokenSwap, PositionSkew,
+    ChunkBoundaryToken, StampCorruption, HostRowFlip, HostRowMismatch, StaleSlotReuse)}
+PENDING_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (SlidingWindowLut,)}
 
-__all__ = ["FAULTS", "CachedSlotFlip", "Expectation", "Fault", "FaultHooks", "Injection", "PageTableRepoint",
-           "StaleSlotReuse", "UsedSlotFlip", "attach_faults"]
+__all__ = ["FAULTS", "PENDING_FAULTS", "CachedSlotFlip", "ChunkBoundaryToken", "Expectation", "Fault", "FaultHooks",
+           "HostRowFlip", "HostRowMismatch", "Injection", "PageTableRepoint", "PositionSkew", "SampledTokenSwap",
+           "SlidingWindowLut", "StaleSlotReuse", "StampCorruption", "StampField", "UsedSlotFlip", "WrittenSlotFlip",
+           "attach_faults"]

@@ -3,7 +3,8 @@
 ``run_once(setup, faults)`` builds a fresh engine and canary, drives the workload and collects
 every violation. ``judge`` splits violations into those an injection explains and false
 positives, and checks the first explained one against the fault's expectation.
-``run_campaign`` is the self-test: a clean run, then one run per fault.
+``run_campaign`` is the self-test: a clean run, then one run per fault; faults that wait for an
+engine feature (``PENDING_FAULTS``) are listed as pending, not run, and never fail it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.workload import Progress, Workload, run_workload
 from kvcanary.errors import CanaryViolation
-from kvcanary.faults import FAULTS
+from kvcanary.faults import FAULTS, PENDING_FAULTS
 from kvcanary.faults.base import Fault, Injection
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import WatchdogTimeout
@@ -80,7 +81,7 @@ def partial_counts(engine: Engine, seconds: float) -> dict:
 class Verdict:
     fault: str
     injected: bool
-    detected: bool
+    detected: bool | None  # None: pending, not run (see ``pending_verdict``)
     reasons: tuple[str, ...]  # every reason of the violations the injections explain
     launch_points: tuple[str, ...]
     expected: str  # e.g. "chain @ HEAD"
@@ -128,10 +129,22 @@ def judge(fault: type[Fault] | Fault, injections: Sequence[Injection], violation
         explained=len(explained), false_positives=len(violations) - len(explained))
 
 
+def pending_verdict(fault: type[Fault]) -> Verdict:
+    """The verdict of a fault the engine cannot host yet: not run, ``detected`` None, and
+    ``expected`` says what it waits for (``"pending: needs sliding-window pools"``)."""
+    exp = fault.expected
+    return Verdict(fault=fault.name, injected=False, detected=None, reasons=(), launch_points=(),
+                   expected=f"pending: {fault.pending}", expected_reasons=tuple(Reason.names(exp.reasons)),
+                   optional_reasons=tuple(Reason.names(exp.optional)), expected_launch_point=exp.point.name,
+                   injection_step=None, slot=None, first_detection=None, steps_to_detection=None, explained=0,
+                   false_positives=0)
+
+
 @dataclass
 class CampaignResult:
     clean: RunOutcome
     verdicts: list[Verdict]
+    pending: list[Verdict] = field(default_factory=list)  # listed, never run, never failing
 
     @property
     def clean_violations(self) -> int:
@@ -143,7 +156,7 @@ class CampaignResult:
 
     def to_json(self) -> dict:
         return {"clean_violations": self.clean_violations, "passed": self.passed,
-                "faults": [v.to_json() for v in self.verdicts]}
+                "faults": [v.to_json() for v in self.verdicts], "pending": [v.to_json() for v in self.pending]}
 
 
 def default_faults(names: Sequence[str], seed: int, warmup_steps: int) -> list[Fault]:
@@ -155,13 +168,18 @@ def default_faults(names: Sequence[str], seed: int, warmup_steps: int) -> list[F
 
 
 def run_campaign(setup: RunSetup, names: Sequence[str] = tuple(FAULTS), *, seed: int = 0, warmup_steps: int = 24,
-                 progress: Callable[[str], Progress | None] | None = None) -> CampaignResult:
-    """The clean run, then one run per fault of ``names`` on the same setup. ``progress(label)``
-    may return a per-run progress callback."""
+                 progress: Callable[[str], Progress | None] | None = None,
+                 pending: Sequence[str] = tuple(PENDING_FAULTS)) -> CampaignResult:
+    """The clean run, then one run per fault of ``names`` on the same setup; the faults of
+    ``pending`` (names in ``PENDING_FAULTS``) are listed in ``CampaignResult.pending``.
+    ``progress(label)`` may return a per-run progress callback."""
+    unknown = [n for n in pending if n not in PENDING_FAULTS]
+    if unknown:
+        raise ValueError(f"unknown pending fault(s) {unknown}; choose from {sorted(PENDING_FAULTS)}")
     bar = progress or (lambda label: None)
     clean = run_once(setup, (), bar("clean"))
     verdicts = []
     for fault in default_faults(names, seed, warmup_steps):
         out = run_once(setup, [fault], bar(fault.name))
         verdicts.append(judge(fault, out.injections, out.violations))
-    return CampaignResult(clean, verdicts)
+    return CampaignResult(clean, verdicts, [pending_verdict(PENDING_FAULTS[n]) for n in pending])
