@@ -2,8 +2,11 @@
 
     kv-canary run    the built-in workload through the reference engine with the canary on;
                      summary, optional JSON report; exit 1 when a violation was reported
-    kv-canary demo   self-test: a clean run, then one run per fault kind; exit 1 when a fault
-                     was missed or the clean run reported anything
+    kv-canary demo   self-test: a clean run, one run per fault kind, then one run per real-bug
+                     zoo switch; exit 1 when a fault or bug was missed or a run reported a false
+                     positive
+    kv-canary soak   the reference engine clean for a token budget with every mechanism the canary
+                     guards exercised; exit 1 when one was never exercised or a violation was reported
 
 Configuration is built here, from the options, and passed down frozen.
 """
@@ -26,12 +29,17 @@ from rich.table import Table
 
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import LaunchPoint
+from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.config import ModelConfig
+from kvcanary.engine.engine import Engine
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for, load_prompts
+from kvcanary.engine.zoo import CATALOGUE, Bug
 from kvcanary.errors import ConfigError
 from kvcanary.faults import FAULTS
-from kvcanary.faults.campaign import RunOutcome, RunSetup, default_faults, run_campaign, run_once
+from kvcanary.faults.campaign import RunOutcome, RunSetup, Verdict, default_faults, run_campaign, run_once
+from kvcanary.faults.zoo_campaign import run_zoo, zoo_cases
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.soak import MECHANISMS, SoakResult, run_soak, soak_workload
 
 MODELS = {
     "tiny": ModelConfig(),
@@ -269,9 +277,10 @@ def run(
 
 # --- demo ----------------------------------------------------------------------------------------
 
-@app.command(help="Self-test: a clean run, then one run per fault kind, each checked for the expected reason "
-                  "and launch point. Exit status 1 when a fault was missed, a fault run reported a violation the "
-                  "fault does not explain, or the clean run reported anything.")
+@app.command(help="Self-test: a clean run, then one run per fault kind, then one run per real-bug zoo switch "
+                  "(kvcanary.engine.zoo), each checked for the expected reason and launch point. Exit status 1 when a "
+                  "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
+                  "run reported anything.")
 def demo(
     requests: Requests = 96,
     max_new_tokens: MaxNewTokens = 16,
@@ -283,11 +292,15 @@ def demo(
     sweep_budget: SweepBudget = 1 << 20,
     faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject.")] = ",".join(FAULTS),
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = 24,
+    bugs: Annotated[str, typer.Option("--bugs", help="Comma-separated zoo bugs to switch on, one run each "
+                                      "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
+    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
+                                              "workload.")] = 32,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     threads: Threads = None,
     verbose: Verbose = False,
 ) -> None:
-    """The fault matrix on the built-in workload: a table on stdout, JSON with ``--json``."""
+    """The fault matrix and the zoo on the built-in workload: tables on stdout, JSON with ``--json``."""
     _set_threads(threads, model)
     _setup_logging(logging.WARNING if verbose else logging.CRITICAL)
     names = [n.strip() for n in faults.split(",") if n.strip()]
@@ -295,39 +308,154 @@ def demo(
     if unknown:
         raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}",
                                  param_hint="--faults")
+    bug_names = [b.strip() for b in bugs.split(",") if b.strip()]
+    unknown = [b for b in bug_names if b not in {x.value for x in Bug}]
+    if unknown:
+        raise typer.BadParameter(f"unknown bug(s) {unknown}; choose from {', '.join(b.value for b in Bug)}",
+                                 param_hint="--bugs")
     canary = CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode[real_kv.name.upper()],
                           sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget)
     setup = _setup(requests, max_new_tokens, seed, model, device, canary)
-    n = setup.workload.num_requests
+    zoo_workload = WorkloadConfig(num_requests=zoo_requests, max_new_tokens=max_new_tokens, seed=seed,
+                                  vocab_size=setup.model.vocab_size)
+    cases = zoo_cases(setup.model, canary, zoo_workload, device.value, [Bug(b) for b in bug_names])
     with _progress() as progress:
-        runs = progress.add_task("runs", total=1 + len(names))
+        runs = progress.add_task("runs", total=1 + len(names) + len(cases))
 
-        def per_run(label: str):
+        def per_run(label: str, total: int):
             if label != "clean":
                 progress.advance(runs)
-            return _tracker(progress, f"  {label}", n)
+            return _tracker(progress, f"  {label}", total)
 
-        result = run_campaign(setup, names, seed=seed, warmup_steps=warmup, progress=per_run)
-    table = Table(title="kv-canary demo", title_justify="left")
+        result = run_campaign(setup, names, seed=seed, warmup_steps=warmup,
+                              progress=lambda label: per_run(label, setup.workload.num_requests))
+        zoo = run_zoo(cases, progress=lambda label: per_run(label, zoo_requests))
+        progress.advance(runs)
+    _print_fault_table(result)
+    if zoo:
+        _print_zoo_table(zoo)
+    zoo_passed = all(v.detected and v.false_positives == 0 for v in zoo)
+    passed = result.passed and zoo_passed
+    if json_path is not None:
+        out = result.to_json()
+        out |= {"zoo": [v.to_json() for v in zoo], "zoo_passed": zoo_passed, "passed": passed}
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"results written to {json_path}", highlight=False)
+    if not all(v.injected for v in result.verdicts):
+        console.print("a fault never acted: the run ended before --warmup steps or offered no target; raise "
+                      "--requests or lower --warmup", highlight=False)
+    if not all(v.injected for v in zoo):
+        console.print("a zoo bug never acted: its workload never met its condition; raise --zoo-requests",
+                      highlight=False)
+    console.print("[green]all faults detected, all zoo bugs detected, clean run clean[/]" if passed
+                  else "[red]self-test failed[/]")
+    if not passed:
+        raise typer.Exit(1)
+
+
+def _status(v: Verdict, not_acted: str) -> str:
+    return "[green]yes[/]" if v.detected else (f"[red]{not_acted}[/]" if not v.injected else "[red]MISSED[/]")
+
+
+def _print_fault_table(result) -> None:
+    table = Table(title="kv-canary demo: injected faults", title_justify="left")
     for col in ("fault", "expected", "first detection", "detected", "steps to detection", "false positives"):
         table.add_column(col)
     clean_ok = result.clean_violations == 0
     table.add_row("(none: clean run)", "no violation", f"{result.clean_violations} violations",
                   "[green]ok[/]" if clean_ok else "[red]FALSE POSITIVES[/]", "-", str(result.clean_violations))
     for v in result.verdicts:
-        status = "[green]yes[/]" if v.detected else ("[red]NOT INJECTED[/]" if not v.injected else "[red]MISSED[/]")
-        table.add_row(v.fault, v.expected, v.first_detection or "-", status,
+        table.add_row(v.fault, v.expected, v.first_detection or "-", _status(v, "NOT INJECTED"),
+                      "-" if v.steps_to_detection is None else str(v.steps_to_detection), str(v.false_positives))
+    for v in getattr(result, "pending", []):
+        table.add_row(v.fault, v.expected, "-", "pending", "-", "-")
+    console.print(table)
+
+
+def _print_zoo_table(verdicts: list[Verdict]) -> None:
+    table = Table(title="kv-canary demo: real-bug zoo (kvcanary.engine.zoo)", title_justify="left")
+    table.add_column("bug", no_wrap=True)
+    table.add_column("re-creates", no_wrap=True)
+    for col in ("expected", "first detection", "detected", "steps to detection", "false positives"):
+        table.add_column(col)
+    for v in verdicts:
+        link = CATALOGUE[Bug(v.fault)].links[0]  # "https://github.com/org/repo/issues/N" -> "repo#N"
+        ref = link.removeprefix("https://github.com/").replace("/pull/", "#").replace("/issues/", "#").split("/")[-1]
+        table.add_row(v.fault, ref, v.expected, v.first_detection or "-", _status(v, "NOT TRIGGERED"),
                       "-" if v.steps_to_detection is None else str(v.steps_to_detection), str(v.false_positives))
     console.print(table)
+
+
+# --- soak ----------------------------------------------------------------------------------------
+
+SOAK_WORKLOAD = WorkloadConfig(num_system_prompts=8, block_size=2)  # many prompts leave and come back
+
+
+@app.command(help="Run the reference engine clean for --tokens generated tokens with prefix sharing, eviction, "
+                  "offload and load-back, chunked prefill, aborts and preemption, the canary checking the real K/V "
+                  "(--real-kv all) and sweeping every few steps. Prints how often each mechanism ran. Exit status 1 "
+                  "when a mechanism never ran, a violation was reported or the watchdog fired.")
+def soak(
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Generated tokens to run for (the default takes "
+                                        "about a minute on two CPU cores).")] = 40_000,
+    seed: Seed = 0,
+    model: Model = ModelSize.tiny,
+    device: Device = DeviceName.cpu,
+    real_kv: RealKv = RealKV.all,
+    sweep_interval: Annotated[int, typer.Option("--sweep-interval", min=1, help="Steps between sweeps of idle "
+                                                "prefix-cache slots.")] = 4,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    threads: Threads = None,
+    verbose: Verbose = False,
+) -> None:
+    """A clean soak: mechanism counts on stdout, JSON with ``--json``."""
+    _set_threads(threads, model)
+    _setup_logging(logging.WARNING if verbose else logging.ERROR)
+    if device is DeviceName.cuda and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
+    model_config = dataclasses.replace(MODELS[model.value], seed=seed)
+    workload = soak_workload(tokens, dataclasses.replace(SOAK_WORKLOAD, seed=seed, vocab_size=model_config.vocab_size))
+    canary = CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode[real_kv.name.upper()],
+                          sweep_interval=sweep_interval)
+    engine_config = engine_config_for(workload, device.value)
+    engine, hooks = attach_canary(lambda h: Engine(model_config, engine_config, h), canary)
+    with _progress() as progress:
+        task = progress.add_task("generated tokens", total=tokens)
+        result = run_soak(engine, hooks, workload, lambda n: progress.update(task, completed=min(n, tokens)))
+    _print_soak(result, tokens)
     if json_path is not None:
-        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        out = result.to_json() | {"tokens": tokens, "engine": engine.stats.as_dict(),
+                                  "config": {"seed": seed, "model": model.value, "device": engine_config.device,
+                                             "real_kv": real_kv.value, "sweep_interval": sweep_interval,
+                                             "num_slots": engine_config.num_slots,
+                                             "host_tier_slots": engine_config.host_tier_slots}}
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"results written to {json_path}", highlight=False)
-    if not all(v.injected for v in result.verdicts):
-        console.print("a fault never acted: the run ended before --warmup steps or offered no target; raise "
-                      "--requests or lower --warmup", highlight=False)
-    console.print("[green]all faults detected, clean run clean[/]" if result.passed else "[red]self-test failed[/]")
     if not result.passed:
         raise typer.Exit(1)
+
+
+def _print_soak(result: SoakResult, tokens: int) -> None:
+    table = Table(title=f"kv-canary soak: {result.generated_tokens} tokens ({tokens} asked), {result.requests} "
+                        f"requests, {result.steps} steps, {result.wall_seconds:.1f} s; {result.protected_slots} "
+                        f"slots stamped, {result.verified_slots} slot checks", title_justify="left")
+    for col in ("mechanism", "count", "what"):
+        table.add_column(col)
+    for name, what in MECHANISMS.items():
+        n = result.mechanisms[name]
+        table.add_row(name, str(n) if n else "[red]0[/]", what)
+    table.add_row("violations", f"[red]{result.violations}[/]" if result.violations else "0",
+                  ", ".join(f"{k}={v}" for k, v in result.by_reason.items()) or "reported by the canary")
+    table.add_row("watchdog alarms", f"[red]{result.watchdog_alarms}[/]" if result.watchdog_alarms else "0",
+                  "launch points that stopped running")
+    console.print(table)
+    if result.passed:
+        console.print("[green]soak passed: every mechanism exercised, no violation[/]")
+    else:
+        why = [f"never exercised: {', '.join(result.missing)}"] if result.missing else []
+        why += [f"{result.violations} violations"] if result.violations else []
+        why += [f"{result.watchdog_alarms} watchdog alarms"] if result.watchdog_alarms else []
+        console.print(f"[red]soak failed: {'; '.join(why)}[/]")
 
 
 def main() -> None:

@@ -32,8 +32,8 @@ class CanaryConfig:
     entries per forward (more disables that forward's verify and is counted). ``max_bs``: requests
     per forward. ``stats_period``: steps between stats lines (0 = never). ``truth``: check the tokens
     of every forward (written and read) against the requests' token history; sweeps check idle
-    cached slots against the tokens the engine passes with them (its prefix-cache keys) either way. ``watchdog_window``: steps a launch point may stay silent
-    (0 = derived from the sweep interval)."""
+    cached slots against the tokens the engine passes with them (its prefix-cache keys) either way.
+    ``watchdog_window``: steps a launch point may stay silent (0 = derived from the sweep interval)."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL

@@ -16,11 +16,14 @@ from kvcanary.engine.pool import KVPool
 from kvcanary.engine.radix import RadixCache, RadixNode
 from kvcanary.engine.request import Request
 from kvcanary.engine.stats import EngineStats
+from kvcanary.engine.zoo import Bug, Zoo
 
 
 class CacheManager:
-    def __init__(self, pool: KVPool, tree: RadixCache | None, host_tier: HostTier | None, stats: EngineStats):
+    def __init__(self, pool: KVPool, tree: RadixCache | None, host_tier: HostTier | None, stats: EngineStats,
+                 zoo: Zoo | None = None):
         self.pool, self.tree, self.host_tier, self.stats = pool, tree, host_tier, stats
+        self.zoo = zoo if zoo is not None else Zoo()
         self.page_size = pool.page_size
 
     def evict(self, num_slots: int) -> int:
@@ -36,6 +39,11 @@ class CacheManager:
         self.stats.num_evicted_slots += evicted.slots.numel()
         self.stats.num_offloaded_slots += evicted.num_offloaded
         return evicted.slots.numel()
+
+    def begin_step(self) -> None:
+        """A new step: the copies of the last one have finished."""
+        if self.host_tier is not None:
+            self.host_tier.in_flight.clear()
 
     def alloc_slots(self, num_slots: int) -> torch.Tensor | None:
         """``num_slots`` (a page multiple) fresh slots, evicting from the prefix cache when short."""
@@ -90,8 +98,29 @@ class CacheManager:
         self.pool.req_to_token[req.row, req.capacity : req.capacity + need] = slots.to(
             self.pool.device, torch.int32
         )
+        if Bug.PREFIX_PAGE_OFF_BY_ONE in self.zoo and req.capacity == req.num_prefix_cached == self.page_size:
+            self._continue_last_prefix_page(req, int(slots[0]))
         req.slots = torch.cat([req.slots, slots])
         return True
+
+    def _continue_last_prefix_page(self, req: Request, own_slot: int) -> None:
+        """Zoo (``Bug.PREFIX_PAGE_OFF_BY_ONE``): a one-page prefix is taken for a page with room
+        (``prefix_len <= page_size``): position page_size goes to the slot after the last prefix
+        slot; ``own_slot``, the one allocated for it, is never written."""
+        slot = int(req.slots[-1]) + 1
+        if slot < self.pool.num_slots:
+            self.pool.req_to_token[req.row, req.capacity] = slot
+            self.zoo.record(Bug.PREFIX_PAGE_OFF_BY_ONE, f"request={req.request_id} position {req.capacity} -> "
+                            f"slot {slot} (the next physical page) instead of {own_slot}", [slot, slot + 1, own_slot],
+                            request_id=req.request_id, positions=[req.capacity])
+
+    def trim(self, req: Request) -> None:
+        """Free ``req``'s own pages past its tokens (the slots of rejected speculative drafts)."""
+        keep = max(-(-req.num_tokens // self.page_size) * self.page_size, req.num_prefix_cached)
+        if req.capacity > keep:
+            self.pool.free(req.slots[keep:])
+            self.pool.req_to_token[req.row, keep : req.capacity] = 0
+            req.slots = req.slots[:keep]
 
     def release(self, req: Request, cache: bool) -> None:
         """Take back everything ``req`` holds. With ``cache``, its computed page-aligned tokens
@@ -99,6 +128,8 @@ class CacheManager:
         own_start = req.num_prefix_cached
         if cache and self.tree is not None:
             num_cached = req.num_cached // self.page_size * self.page_size
+            if Bug.REJECTED_DRAFT_KV_CACHED in self.zoo:
+                num_cached = self._cache_held_slots(req, num_cached)
             inserted = self.tree.insert(req.token_ids[:num_cached], req.slots[:num_cached])
             if self.host_tier is not None:
                 self.host_tier.free_rows(inserted.revived_host_rows)
@@ -109,6 +140,16 @@ class CacheManager:
             self.tree.unlock(req.prefix_node)
         self.pool.free_row(req.row)
         req.reset_cache_state()
+
+    def _cache_held_slots(self, req: Request, num_cached: int) -> int:
+        """Zoo (``Bug.REJECTED_DRAFT_KV_CACHED``): cache up to the slots ``req`` holds, not the K/V
+        it committed; the extra positions hold what rejected drafts wrote."""
+        held = min(req.num_tokens, req.capacity) // self.page_size * self.page_size
+        if held > num_cached:
+            self.zoo.record(Bug.REJECTED_DRAFT_KV_CACHED, f"request={req.request_id} positions {num_cached}.."
+                            f"{held - 1} cached with the K/V of rejected drafts", req.slots[num_cached:held],
+                            request_id=req.request_id, positions=range(num_cached, held))
+        return max(held, num_cached)
 
     def quarantine(self, bad_slots: torch.Tensor) -> int:
         """Never hand out the pages of ``bad_slots`` again and drop every prefix-cache node holding

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.engine.zoo import Bug, parse_bugs
 from kvcanary.errors import ConfigError
 
 
@@ -94,6 +95,11 @@ class EngineConfig:
     reserved for padding writes, and page-table row 0 is reserved for padding requests.
     ``host_tier_slots`` is the number of host rows (one slot's K/V each); 0 disables offload.
     ``sampler`` also accepts its string value; ``device`` any CPU or CUDA device string.
+    ``graph_batch_sizes``: decode-only batches are padded to the smallest of these sizes that fits
+    (as CUDA-graph replay does) with padding requests (row 0, writing slot 0); () = no padding.
+    ``num_draft_tokens``: speculative decoding, drafts per decode step verified against the oracle
+    sampler (0 = off). ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
+    string values), all off by default; the engine is correct only without them.
     """
 
     num_slots: int = 2048
@@ -107,6 +113,9 @@ class EngineConfig:
     host_tier_slots: int = 0
     sampler: SamplerKind = SamplerKind.GREEDY
     device: str = "cpu"
+    graph_batch_sizes: tuple[int, ...] = ()
+    num_draft_tokens: int = 0
+    bugs: frozenset[Bug] = frozenset()
 
     def __post_init__(self) -> None:
         names = (
@@ -141,9 +150,21 @@ class EngineConfig:
              f"a SamplerKind or one of {kinds}", "pass SamplerKind.GREEDY or SamplerKind.ORACLE"),
             ("device", lambda: _device_type(self.device) in ("cpu", "cuda"),
              "'cpu' or a CUDA device such as 'cuda' or 'cuda:1'", "pass a torch device string"),
+            ("graph_batch_sizes", lambda: isinstance(self.graph_batch_sizes, tuple) and all(
+                type(b) is int and b >= 1 for b in self.graph_batch_sizes) and list(self.graph_batch_sizes) == sorted(
+                set(self.graph_batch_sizes)), "a tuple of distinct ints >= 1 in increasing order",
+             "pass e.g. (1, 2, 4, 8, 16, 32), or () for no padding"),
+            ("num_draft_tokens", lambda: type(self.num_draft_tokens) is int and self.num_draft_tokens >= 0,
+             "an int >= 0", "pass 0 to disable speculative decoding"),
+            ("num_draft_tokens", lambda: self.num_draft_tokens == 0 or SamplerKind(self.sampler) is SamplerKind.ORACLE,
+             "0 with the greedy sampler", "drafts are verified against the oracle sampler; pass sampler='oracle'"),
+            ("bugs", lambda: _is_bug_set(self.bugs),
+             f"a set of kvcanary.engine.zoo.Bug (or of {[b.value for b in Bug]})",
+             "pass e.g. frozenset({Bug.STALE_RADIX_NODE}), or frozenset() for the correct engine"),
         ])  # fmt: skip
         object.__setattr__(self, "sampler", SamplerKind(self.sampler))
         object.__setattr__(self, "device", str(torch.device(self.device)))
+        object.__setattr__(self, "bugs", parse_bugs(self.bugs))
 
     @property
     def num_pages(self) -> int:
@@ -153,6 +174,16 @@ class EngineConfig:
     def num_usable_slots(self) -> int:
         """Slots the allocator can hand out: all but page 0."""
         return self.num_slots - self.page_size
+
+
+def _is_bug_set(bugs: object) -> bool:
+    if isinstance(bugs, (str, bytes)) or not isinstance(bugs, (set, frozenset, tuple, list)):
+        return False
+    try:
+        parse_bugs(bugs)
+    except ValueError:
+        return False
+    return True
 
 
 def _device_type(device: object) -> str | None:

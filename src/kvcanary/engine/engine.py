@@ -3,6 +3,8 @@
 ``step()`` = schedule (admit, evict/offload, load back, preempt) -> build the ``ForwardBatch``
 -> ``hooks.before_forward`` -> model (writes and reads the paged KV) -> ``hooks.after_forward``
 -> sample -> finish (finished requests enter the prefix cache) -> ``hooks.after_step``.
+``EngineConfig.bugs`` switches on real-bug re-creations (``kvcanary.engine.zoo``); ``Engine.zoo``
+logs their acts.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from kvcanary.engine.pool import KVPool
 from kvcanary.engine.radix import RadixCache
 from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.sampler import Sampler
-from kvcanary.engine.scheduler import Scheduler
+from kvcanary.engine.scheduler import Plan, Scheduler
 from kvcanary.engine.stats import EngineStats
+from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
 from kvcanary.errors import CapacityError, ConfigError
 from kvcanary.runtime.batch import ForwardBatch
 
@@ -64,18 +67,20 @@ class Engine:
             )
         self.hooks = hooks if hooks is not None else EngineHooks()
         self.stats = EngineStats()
+        self.zoo = Zoo(config.bugs)
         self.pool = KVPool(self.model_config, config, self.hooks)
-        self.tree = RadixCache(config.page_size) if config.enable_prefix_cache else None
+        self.tree = RadixCache(config.page_size, self.zoo) if config.enable_prefix_cache else None
         self.host_tier = None
         if config.host_tier_slots:
-            self.host_tier = HostTier(self.pool, self.tree, config.host_tier_slots, self.stats)
-        self.cache = CacheManager(self.pool, self.tree, self.host_tier, self.stats)
-        self.scheduler = Scheduler(config, self.cache, self.stats)
+            self.host_tier = HostTier(self.pool, self.tree, config.host_tier_slots, self.stats, self.zoo)
+        self.cache = CacheManager(self.pool, self.tree, self.host_tier, self.stats, self.zoo)
+        self.scheduler = Scheduler(config, self.cache, self.stats, self.model_config.vocab_size, self.zoo)
         self.model = TinyLlama(self.model_config, config.max_ctx, self.device)
         self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
         self.step_index = 0
         self._next_id = 0
+        self._late_writes: list[InFlightWrite] = []  # zoo (Bug.ABORT_INFLIGHT_WRITE)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -119,6 +124,10 @@ class Engine:
         req = self._get(request_id)
         if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
             return False
+        own = req.slots[req.num_prefix_cached : req.num_cached]
+        if Bug.ABORT_INFLIGHT_WRITE in self.zoo and req.status is RequestStatus.RUNNING and own.numel():
+            # zoo: its last K/V write is still in flight and is not waited for before the free
+            self._late_writes.append(InFlightWrite.capture(self.pool, own))
         self.scheduler.abort(req)
         self.stats.num_aborts += 1
         return True
@@ -144,24 +153,28 @@ class Engine:
                     f"slots of {self.config.num_usable_slots}"
                 )
             return StepResult(step_index=-1)
-        batch = build_forward_batch(plan, self.pool.req_to_token)
+        batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo)
         batch_reqs = [req for req, _ in plan]
         self.hooks.before_forward(batch)
         logits = self.model.forward(batch, self.pool)
         self.hooks.after_forward(batch)
+        if self._late_writes:
+            self._land_late_writes(batch)
         # a hook may have retracted requests (recompute policy): they produce nothing this step
         plan = [(req, n) for req, n in plan if req.status is RequestStatus.RUNNING]
         logits = logits[[i for i, req in enumerate(batch_reqs) if req.status is RequestStatus.RUNNING]]
         for req, n in plan:
-            if n == 1 and req.num_cached >= len(req.prompt_ids):
+            if n == 1 + len(req.draft_ids) and req.num_cached >= len(req.prompt_ids):
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += n
-        rows = [i for i, (req, n) in enumerate(plan) if req.num_cached + n == req.num_tokens]
+        rows = [i for i, (req, n) in enumerate(plan) if req.num_cached + n == req.num_tokens + len(req.draft_ids)]
         reqs = [plan[i][0] for i in rows]
         tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs])
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
-        finished = self.scheduler.postprocess(plan, new_tokens, self.step_index)
+        accepted = {r.request_id: self.sampler.accept_drafts(r.request_id, r.num_tokens, r.draft_ids)
+                    for r in reqs if r.draft_ids}
+        finished = self.scheduler.postprocess(plan, new_tokens, self.step_index, accepted)
         self.stats.num_steps += 1
         self.hooks.after_step(self.step_index)
         self.step_index += 1
@@ -173,6 +186,30 @@ class Engine:
             logits={r.request_id: logits[i] for r, i in zip(reqs, rows, strict=True)},
             batch=batch,
         )
+
+    def _padding(self, plan: Plan) -> tuple[int, int]:
+        """(padding requests, their slot) of a decode-only batch padded to ``graph_batch_sizes``."""
+        sizes, bs = self.config.graph_batch_sizes, len(plan)
+        is_decode = all(n == 1 and req.num_cached >= len(req.prompt_ids) for req, n in plan)
+        fits = [b for b in sizes if b >= bs]
+        if not (is_decode and fits and fits[0] > bs):
+            return 0, 0
+        if Bug.PADDING_WRITES_LIVE_SLOT not in self.zoo:
+            return fits[0] - bs, 0
+        # zoo: PADDING_SLOT_ID = -1, and the cache write takes it for the pool's last slot
+        last = self.config.num_slots - 1
+        self.zoo.record(Bug.PADDING_WRITES_LIVE_SLOT, f"{fits[0] - bs} padding lanes write slot -1 = {last}", [last])
+        return fits[0] - bs, -1
+
+    def _land_late_writes(self, batch: ForwardBatch) -> None:
+        """Zoo (``Bug.ABORT_INFLIGHT_WRITE``): an aborted request's in-flight write lands after the
+        first forward that wrote one of its slots for their new owner."""
+        written = set(batch.out_cache_loc.tolist())
+        for late in [w for w in self._late_writes if written & set(w.slots.tolist())]:
+            late.land(self.pool)
+            self._late_writes.remove(late)
+            self.zoo.record(Bug.ABORT_INFLIGHT_WRITE, f"write of an aborted request landed on slots "
+                            f"{late.slots.tolist()[:8]}... after their new owner wrote them", late.slots)
 
     def run_until_done(self, max_steps: int | None = None) -> int:
         """Step until no request waits or runs (or ``max_steps``); returns the steps run."""

@@ -2,7 +2,9 @@
 
 For request r with ``prefix_lens[r] = p`` and ``extend_lens[r] = n``, its tokens occupy
 ``input_ids[s : s + n]`` with ``s = sum(extend_lens[:r])``, at positions ``p .. p + n - 1``,
-written to slots ``req_to_token[row_r, p .. p + n - 1]``.
+written to slots ``req_to_token[row_r, p .. p + n - 1]``. A request's tokens are its history
+followed by its speculative drafts (``Request.draft_ids``). Padding requests (row 0, one token
+0 at position 0 each) go after the real ones; their writes land in ``padding_slot``.
 """
 
 from __future__ import annotations
@@ -12,31 +14,39 @@ import itertools
 import torch
 
 from kvcanary.engine.scheduler import Plan
+from kvcanary.engine.zoo import Bug, Zoo
 from kvcanary.runtime.batch import ForwardBatch
 
 
-def build_forward_batch(plan: Plan, req_to_token: torch.Tensor) -> ForwardBatch:
-    """The forward of ``plan`` (non-empty). Index tensors are int64 on ``req_to_token``'s device;
-    ``req_to_token`` itself is passed through, not copied."""
+def build_forward_batch(plan: Plan, req_to_token: torch.Tensor, num_padding: int = 0, padding_slot: int = 0,
+                        zoo: Zoo | None = None) -> ForwardBatch:
+    """The forward of ``plan`` (non-empty) and ``num_padding`` padding requests. Index tensors are
+    int64 on ``req_to_token``'s device; ``req_to_token`` itself is passed through, not copied."""
     device = req_to_token.device
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)
-    rows = as_tensor([req.row for req, _ in plan])
-    prefix_lens = as_tensor([req.num_cached for req, _ in plan])
-    extend_lens = as_tensor([n for _, n in plan])
+    pad = [0] * num_padding
+    rows = as_tensor([req.row for req, _ in plan] + pad)
+    prefix_lens = as_tensor([req.num_cached for req, _ in plan] + pad)
+    extend_lens = as_tensor([n for _, n in plan] + [1] * num_padding)
     starts = torch.cumsum(extend_lens, 0) - extend_lens
     num_tokens = int(extend_lens.sum())
     positions = torch.repeat_interleave(prefix_lens - starts, extend_lens) + torch.arange(num_tokens)
     input_ids = as_tensor(
         list(
             itertools.chain.from_iterable(
-                req.token_ids[req.num_cached : req.num_cached + n] for req, n in plan
+                (req.token_ids + req.draft_ids)[req.num_cached : req.num_cached + n] for req, n in plan
             )
         )
+        + pad
     )
-    truth = [req.token_ids for req, _ in plan]
+    truth = [req.token_ids for req, _ in plan] + [[]] * num_padding
     truth_offsets = as_tensor([0, *itertools.accumulate(len(t) for t in truth)])
     token_rows = torch.repeat_interleave(rows, extend_lens).to(device)
     out_cache_loc = req_to_token[token_rows, positions.to(device)].to(torch.int64)
+    if num_padding:
+        out_cache_loc[-num_padding:] = padding_slot
+    if zoo is not None and Bug.CHUNK_POSITIONS_RESTART in zoo:
+        positions = _restart_chunk_positions(plan, positions, out_cache_loc, zoo)
     return ForwardBatch(
         req_pool_indices=rows.to(device),
         prefix_lens=prefix_lens.to(device),
@@ -47,5 +57,20 @@ def build_forward_batch(plan: Plan, req_to_token: torch.Tensor) -> ForwardBatch:
         out_cache_loc=out_cache_loc,
         truth_ids=as_tensor(list(itertools.chain.from_iterable(truth))).to(device),
         truth_offsets=truth_offsets.to(device),
-        request_ids=tuple(req.request_id for req, _ in plan),
+        request_ids=tuple(req.request_id for req, _ in plan) + (None,) * num_padding,
     )
+
+
+def _restart_chunk_positions(plan: Plan, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                             zoo: Zoo) -> torch.Tensor:
+    """Zoo (``Bug.CHUNK_POSITIONS_RESTART``): a prefill extend that continues a prefix gets the
+    positions of its chunk (0, 1, ...) instead of its sequence's; its slots stay right."""
+    positions, start = positions.clone(), 0
+    for req, n in plan:
+        if n > 1 and req.num_cached > 0:
+            positions[start : start + n] = torch.arange(n)
+            zoo.record(Bug.CHUNK_POSITIONS_RESTART, f"request={req.request_id} positions {req.num_cached}.."
+                       f"{req.num_cached + n - 1} computed as 0..{n - 1}", out_cache_loc[start : start + n],
+                       request_id=req.request_id, positions=range(req.num_cached, req.num_cached + n))
+        start += n
+    return positions

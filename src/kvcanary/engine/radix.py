@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.engine.zoo import Bug, Zoo
+
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
 
@@ -78,11 +80,13 @@ class Evicted:
 
 
 class RadixCache:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, zoo: Zoo | None = None):
         self.page_size = page_size
+        self.zoo = zoo if zoo is not None else Zoo()
         self.root = RadixNode((), _EMPTY.clone(), None, 0)
         self.root.lock_count = 1  # never evicted
         self._clock = itertools.count(1)
+        self._stale: set[RadixNode] = set()  # zoo (Bug.STALE_RADIX_NODE): freed but still in the tree
 
     def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], i: int) -> int:
         limit, n = min(len(key), len(tokens) - i), 0
@@ -114,6 +118,8 @@ class RadixCache:
         while i + ps <= len(tokens):
             child = node.children.get(tuple(tokens[i : i + ps]))
             if child is None:
+                if Bug.PARTIAL_PAGE_HIT in self.zoo:
+                    node, i = self._partial_page_hit(node, tokens, i, now)
                 break
             n = self._common_len(child.key, tokens, i)
             if n < len(child.key):
@@ -121,6 +127,20 @@ class RadixCache:
             child.last_access = now
             node, i = child, i + n
         return node, i
+
+    def _partial_page_hit(self, node: RadixNode, tokens: Sequence[int], i: int, now: int) -> tuple[RadixNode, int]:
+        """Zoo (``Bug.PARTIAL_PAGE_HIT``): a device child whose first token matches is taken for the
+        next page without checking the rest of the page."""
+        child = next((c for c in node.children.values() if c.key[0] == tokens[i] and not c.is_on_host), None)
+        if child is None:
+            return node, i
+        if len(child.key) > self.page_size:
+            child = self._split(child, self.page_size)
+        child.last_access = now
+        wrong = [p for p in range(self.page_size) if child.key[p] != tokens[i + p]]
+        self.zoo.record(Bug.PARTIAL_PAGE_HIT, f"page at {i} taken for tokens that differ at offsets {wrong}",
+                        child.slots)
+        return child, i + self.page_size
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> InsertResult:
         """Cache ``tokens`` (a page multiple) whose K/V is in ``slots`` (int64, CPU).
@@ -187,6 +207,7 @@ class RadixCache:
             and not node.is_on_host
             and node.lock_count == 0
             and all(c.is_on_host for c in node.children.values())
+            and node not in self._stale
         )
 
     def evict(
@@ -210,6 +231,11 @@ class RadixCache:
                 freed.append(node.slots)
                 node.slots, node.host_rows = None, rows
                 num_offloaded += rows.numel()
+            elif Bug.STALE_RADIX_NODE in self.zoo and not node.children:
+                # zoo: the slots are freed and the node leaves the eviction list, not its parent
+                freed.append(node.slots.clone())
+                self._stale.add(node)
+                self.zoo.record(Bug.STALE_RADIX_NODE, f"{node} freed but left in the tree", node.slots)
             else:
                 slots, host_rows = self.remove(node)
                 freed.append(slots)

@@ -8,6 +8,8 @@
 | num_cached        | positions ``[0, num_cached)`` hold computed K/V                        |
 | num_prefix_cached | positions ``[0, num_prefix_cached)`` are shared prefix-cache slots    |
 | prefix_node       | the prefix-cache node it locks (its matched prefix ends there)        |
+| draft_ids         | speculative drafts of the current decode step (written after its      |
+|                   | last token, at positions ``num_tokens ..``; cleared after the step)    |
 
 Slots at positions ``[num_prefix_cached, capacity)`` are owned by the request alone. The
 engine frees from ``slots``, never from the page table, so a damaged table cannot corrupt the
@@ -47,6 +49,7 @@ class Request:
     num_cached: int = 0
     num_prefix_cached: int = 0
     prefix_node: RadixNode | None = None
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -87,3 +90,4 @@ class Request:
         self.row = self.num_cached = self.num_prefix_cached = 0
         self.slots = torch.zeros(0, dtype=torch.int64)
         self.prefix_node = None
+        self.draft_ids = []
