@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 
@@ -16,16 +15,6 @@ from kvcanary.faults import FAULTS
 SMALL = ["--requests", "32", "--max-new-tokens", "8"]
 REPORT_KEYS = {"requests", "generated_tokens", "violations", "by_reason", "by_launch_point", "canary_time_share",
                "engine", "canary", "protected_slots", "verified_slots", "sweeps", "watchdog_alarms", "stopped"}
-
-
-@pytest.fixture(autouse=True)
-def quiet_kvcanary_logger():
-    """The CLI points the kvcanary loggers at its own handler; put them back after each test."""
-    logger = logging.getLogger("kvcanary")
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.propagate = handlers, propagate
-    logger.setLevel(level)
 
 
 def invoke(*args: str):

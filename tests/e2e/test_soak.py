@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 
-import pytest
 from typer.testing import CliRunner
 
 from kvcanary.cli import app
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.soak import MECHANISMS, soak_workload
-
-
-@pytest.fixture(autouse=True)
-def quiet_kvcanary_logger():
-    """The CLI points the kvcanary loggers at its own handler; put them back after each test."""
-    logger = logging.getLogger("kvcanary")
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.propagate = handlers, propagate
-    logger.setLevel(level)
 
 
 def invoke(*args: str):
