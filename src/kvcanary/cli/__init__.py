@@ -1,0 +1,19 @@
+"""The ``kv-canary`` command line.
+
+    kv-canary run    the built-in workload through the reference engine with the canary on;
+                     summary, optional JSON report; exit 1 when a violation was reported
+    kv-canary demo   self-test: a clean run, one run per fault kind, then one run per real-bug
+                     zoo switch; exit 1 when a fault or bug was missed or a run reported a false
+                     positive
+    kv-canary soak   the reference engine clean for a token budget with every mechanism the canary
+                     guards exercised; exit 1 when one was never exercised or a violation was reported
+
+Configuration is built here, from the options, and passed down frozen.
+"""
+
+from kvcanary.cli import demo, run, soak  # noqa: F401  (each module registers its command)
+from kvcanary.cli._app import app
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,150 @@
+"""``kv-canary demo``: the fault matrix and the real-bug zoo on the built-in workload."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kvcanary.cli._app import (
+    Device,
+    DeviceName,
+    MaxNewTokens,
+    Model,
+    ModelSize,
+    RealKV,
+    RealKv,
+    Requests,
+    Seed,
+    SweepBudget,
+    SweepInterval,
+    Threads,
+    Verbose,
+    app,
+    console,
+    make_setup,
+    progress_bar,
+    set_threads,
+    setup_logging,
+    tracker,
+)
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.engine.workload import WorkloadConfig
+from kvcanary.engine.zoo import CATALOGUE, Bug
+from kvcanary.faults import FAULTS
+from kvcanary.faults.campaign import Verdict, run_campaign
+from kvcanary.faults.zoo_campaign import run_zoo, zoo_cases
+from kvcanary.ops.fingerprint import FingerprintMode
+
+
+@app.command(help="Self-test: a clean run, then one run per fault kind, then one run per real-bug zoo switch "
+                  "(kvcanary.engine.zoo), each checked for the expected reason and launch point. Exit status 1 when a "
+                  "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
+                  "run reported anything.")
+def demo(
+    requests: Requests = 96,
+    max_new_tokens: MaxNewTokens = 16,
+    seed: Seed = 0,
+    model: Model = ModelSize.tiny,
+    device: Device = DeviceName.cpu,
+    real_kv: RealKv = RealKV.partial,
+    sweep_interval: SweepInterval = 4,
+    sweep_budget: SweepBudget = 1 << 20,
+    faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject.")] = ",".join(FAULTS),
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = 24,
+    bugs: Annotated[str, typer.Option("--bugs", help="Comma-separated zoo bugs to switch on, one run each "
+                                      "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
+    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
+                                              "workload.")] = 32,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    threads: Threads = None,
+    verbose: Verbose = False,
+) -> None:
+    """The fault matrix and the zoo on the built-in workload: tables on stdout, JSON with ``--json``."""
+    set_threads(threads, model)
+    setup_logging(logging.WARNING if verbose else logging.CRITICAL)
+    names = [n.strip() for n in faults.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}",
+                                 param_hint="--faults")
+    bug_names = [b.strip() for b in bugs.split(",") if b.strip()]
+    unknown = [b for b in bug_names if b not in {x.value for x in Bug}]
+    if unknown:
+        raise typer.BadParameter(f"unknown bug(s) {unknown}; choose from {', '.join(b.value for b in Bug)}",
+                                 param_hint="--bugs")
+    canary = CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode[real_kv.name.upper()],
+                          sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget)
+    setup = make_setup(requests, max_new_tokens, seed, model, device, canary)
+    zoo_workload = WorkloadConfig(num_requests=zoo_requests, max_new_tokens=max_new_tokens, seed=seed,
+                                  vocab_size=setup.model.vocab_size)
+    cases = zoo_cases(setup.model, canary, zoo_workload, device.value, [Bug(b) for b in bug_names])
+    with progress_bar() as progress:
+        runs = progress.add_task("runs", total=1 + len(names) + len(cases))
+
+        def per_run(label: str, total: int):
+            if label != "clean":
+                progress.advance(runs)
+            return tracker(progress, f"  {label}", total)
+
+        result = run_campaign(setup, names, seed=seed, warmup_steps=warmup,
+                              progress=lambda label: per_run(label, setup.workload.num_requests))
+        zoo = run_zoo(cases, progress=lambda label: per_run(label, zoo_requests))
+        progress.advance(runs)
+    _print_fault_table(result)
+    if zoo:
+        _print_zoo_table(zoo)
+    zoo_passed = all(v.detected and v.false_positives == 0 for v in zoo)
+    passed = result.passed and zoo_passed
+    if json_path is not None:
+        out = result.to_json()
+        out |= {"zoo": [v.to_json() for v in zoo], "zoo_passed": zoo_passed, "passed": passed}
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"results written to {json_path}", highlight=False)
+    if not all(v.injected for v in result.verdicts):
+        console.print("a fault never acted: the run ended before --warmup steps or offered no target; raise "
+                      "--requests or lower --warmup", highlight=False)
+    if not all(v.injected for v in zoo):
+        console.print("a zoo bug never acted: its workload never met its condition; raise --zoo-requests",
+                      highlight=False)
+    console.print("[green]all faults detected, all zoo bugs detected, clean run clean[/]" if passed
+                  else "[red]self-test failed[/]")
+    if not passed:
+        raise typer.Exit(1)
+
+
+def _status(v: Verdict, not_acted: str) -> str:
+    return "[green]yes[/]" if v.detected else (f"[red]{not_acted}[/]" if not v.injected else "[red]MISSED[/]")
+
+
+def _print_fault_table(result) -> None:
+    table = Table(title="kv-canary demo: injected faults", title_justify="left")
+    for col in ("fault", "expected", "first detection", "detected", "steps to detection", "false positives"):
+        table.add_column(col)
+    clean_ok = result.clean_violations == 0
+    table.add_row("(none: clean run)", "no violation", f"{result.clean_violations} violations",
+                  "[green]ok[/]" if clean_ok else "[red]FALSE POSITIVES[/]", "-", str(result.clean_violations))
+    for v in result.verdicts:
+        table.add_row(v.fault, v.expected, v.first_detection or "-", _status(v, "NOT INJECTED"),
+                      "-" if v.steps_to_detection is None else str(v.steps_to_detection), str(v.false_positives))
+    for v in getattr(result, "pending", []):
+        table.add_row(v.fault, v.expected, "-", "pending", "-", "-")
+    console.print(table)
+
+
+def _print_zoo_table(verdicts: list[Verdict]) -> None:
+    table = Table(title="kv-canary demo: real-bug zoo (kvcanary.engine.zoo)", title_justify="left")
+    table.add_column("bug", no_wrap=True)
+    table.add_column("re-creates", no_wrap=True)
+    for col in ("expected", "first detection", "detected", "steps to detection", "false positives"):
+        table.add_column(col)
+    for v in verdicts:
+        link = CATALOGUE[Bug(v.fault)].links[0]  # "https://github.com/org/repo/issues/N" -> "repo#N"
+        ref = link.removeprefix("https://github.com/").replace("/pull/", "#").replace("/issues/", "#").split("/")[-1]
+        table.add_row(v.fault, ref, v.expected, v.first_detection or "-", _status(v, "NOT TRIGGERED"),
+                      "-" if v.steps_to_detection is None else str(v.steps_to_detection), str(v.false_positives))
+    console.print(table)
