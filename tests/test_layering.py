@@ -14,8 +14,9 @@ ALLOWED = {
     "ops": {"core", "ops", "errors"},
     "config": {"core", "ops", "errors"},
     "runtime": {"core", "ops", "runtime", "config", "errors"},
-    "engine": {"core", "ops", "runtime", "engine", "config", "errors"},
+    "engine": {"core", "ops", "runtime", "distributed", "engine", "config", "errors"},
     "adapters": {"core", "ops", "runtime", "adapters", "config", "errors"},
+    "distributed": {"core", "ops", "runtime", "distributed", "config", "errors"},
     "faults": {"core", "ops", "runtime", "engine", "faults", "config", "errors"},
 }
 
