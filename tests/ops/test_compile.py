@@ -62,6 +62,7 @@ JITFunction.run = compile_instead_of_run
 
 from kvcanary.core.record import new_canary, new_ring, new_stats
 from kvcanary.ops._common import Backend
+from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
@@ -99,6 +100,17 @@ for sources in (kv[:1], kv[:2], kv[2:], kv):
         verify(canary=canary, plan=Plan.allocate(8, 2), ring=ring, ring_counter=counter, stats=stats, tag=4,
                sources=sources, mode=mode, backend=T)
 verify(canary=canary, plan=Plan.allocate(8, 2), ring=ring, ring_counter=counter, stats=stats, tag=0, backend=T)
+batch = dict(canary=canary, req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=rtt,
+             input_ids=i64(1, 2, 3), positions=i64(2, 3, 4), out_cache_loc=i64(5, 6, 7), ring=ring,
+             ring_counter=counter, stats=stats, backend=T)
+for with_truth in (False, True):
+    for lut in (None, torch.arange(16)):
+        extra = dict(truth=truth, truth_lens=i64(4, 4)) if with_truth else {}
+        check_forward(**batch, tag=0, stamp=True, lut=lut, window=2 if lut is not None else 0, **extra)
+for sources in (kv[:1], kv):
+    for mode in (FingerprintMode.PARTIAL, FingerprintMode.ALL):
+        check_forward(**batch, tag=4, stamp=False, sources=sources, mode=mode)
+check_forward(**batch, tag=4, stamp=False)
 """
 
 

@@ -85,12 +85,24 @@ class Plan:
 
 
 def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
+    device = validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+    if plan.slot.device != device:
+        raise ValueError(f"plan on {plan.slot.device} but req_pool_indices on {device}")
+    bs = req_pool_indices.shape[0]
+    if bs > plan.max_bs:
+        raise ValueError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
+    return device
+
+
+def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window):
+    """The batch half of a plan's inputs: dtypes, ranks, lengths, devices; rows and lengths in
+    range for host tensors."""
     check_tensor("req_pool_indices", req_pool_indices, torch.int64, 1)
     check_tensor("prefix_lens", prefix_lens, torch.int64, 1)
     check_tensor("extend_lens", extend_lens, torch.int64, 1)
     check_tensor("req_to_token", req_to_token, torch.int32, 2)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
     if (truth is None) != (truth_lens is None):
         raise ValueError("truth and truth_lens go together: pass both or neither")
     if truth is not None:
@@ -101,14 +113,12 @@ def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan
     if window < 0:
         raise ValueError(f"window {window} < 0; use 0 for full attention")
     device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                               req_to_token=req_to_token, plan=plan.slot, truth=truth, truth_lens=truth_lens, lut=lut)
+                               req_to_token=req_to_token, truth=truth, truth_lens=truth_lens, lut=lut)
     bs = req_pool_indices.shape[0]
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("extend_lens", extend_lens, bs, "bs")
     if truth_lens is not None:
         check_len("truth_lens", truth_lens, bs, "bs")
-    if bs > plan.max_bs:
-        raise ValueError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
     rows, max_ctx = req_to_token.shape
     if truth is not None and truth.shape[0] != rows:  # a shape: checked on every device
         raise ValueError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")

@@ -1,0 +1,467 @@
+"""check_forward: a whole HEAD or TAIL of one forward in a single launch, straight from the page table.
+
+HEAD (``stamp=True``) = ``build_plan`` + ``verify`` + ``gather_expected_tokens`` + ``stamp``;
+TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``fingerprint(record=True)``
+of the written slots (translated through ``lut``). The results are those of that sequence, byte
+for byte (rows in the ring in any order), with one difference: there is no plan, so nothing
+overflows and every prefix entry is checked whatever its count.
+
+| argument          | dtype / shape        | meaning                                               |
+|-------------------|----------------------|-------------------------------------------------------|
+| canary            | uint8[num_slots, 32] | records, read and (stamp / record) written in place   |
+| req_pool_indices  | int64[bs]            | page-table row per request; row 0 = padding           |
+| prefix_lens       | int64[bs]            | positions already cached (read)                       |
+| extend_lens       | int64[bs]            | tokens this forward writes                            |
+| req_to_token      | int32[rows, max_ctx] | page table                                            |
+| input_ids         | int64[T]             | tokens written, request after request                 |
+| positions         | int64[T]             | their positions                                       |
+| out_cache_loc     | int64[T]             | their slots                                           |
+| truth, truth_lens | int32[rows, w], int64[bs] | token history per row (optional)                 |
+| lut, window       | int64[n], int        | sliding-window pool: slot translation, window (0 = full) |
+
+One launch, ``1 + bs * split + cdiv(T, 1024)`` programs. Programs take tickets from a device
+counter in the order they start (``Workspace.sync``), so waiting on a lower ticket cannot
+deadlock: ticket 0 computes the write offsets and seeds, the next ``bs * split`` tickets verify
+request ``r`` (split ``s`` walks positions ``lo + s*B, lo + (s + split)*B, ...``), and the rest
+handle 1024 written tokens each. Writers wait until every verifier is done (so a verifier never
+sees a record this forward writes), then continue the chain across blocks with a decoupled
+look-back over per-block sums (a flag per block: aggregate ready, with or without a segment start,
+or inclusive prefix ready; tagged with a per-launch epoch, so nothing is reset between launches).
+The last program to finish bumps the epoch. The workspace holds no data between launches beyond
+the epoch: one ``Workspace`` per stream of launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.core.record import RECORD_BYTES, record_words
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_contiguous,
+    check_len,
+    check_same_device,
+    check_tensor,
+    is_host,
+    num_bits,
+    tl,
+    triton,
+    use_triton,
+)
+from kvcanary.ops._jit import append_violations, find_segment, link64, seg_add
+from kvcanary.ops._ring import validate_ring
+from kvcanary.ops.fingerprint import (
+    FingerprintMode,
+    block_words,
+    fingerprint,
+    fold_sources,
+    source_meta,
+    source_words,
+    validate_sources,
+)
+from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
+from kvcanary.ops.stamp import stamp as stamp_op
+from kvcanary.ops.verify import verify
+
+WRITE_BLOCK = 1024
+TARGET_PROGRAMS = 1024
+_SYNC_TICKET, _SYNC_PRE_DONE, _SYNC_FINISHED, _SYNC_EPOCH = range(4)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Device scratch of ``check_forward``'s kernel: launch sync words, write offsets and seeds,
+    and the look-back state of up to ``max_tokens`` written tokens. Allocate once, outside any
+    CUDA-graph capture."""
+
+    sync: torch.Tensor  # int64[4]: ticket, pre-phase done, finished, epoch
+    write_offsets: torch.Tensor  # int64[max_bs + 1]
+    seed: torch.Tensor  # int64[max_bs]
+    block_sum: torch.Tensor  # int64[max_blocks]: per write block, aggregate then inclusive sum
+    block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive)
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_tokens: int, device: torch.device | str = "cpu") -> Workspace:
+        if max_bs < 1:
+            raise ValueError(f"max_bs {max_bs} < 1")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens {max_tokens} < 1")
+        i64 = dict(dtype=torch.int64, device=device)
+        blocks = cdiv(max_tokens, WRITE_BLOCK)
+        return cls(torch.zeros(4, **i64), torch.zeros(max_bs + 1, **i64), torch.full((max_bs,), -1, **i64),
+                   torch.zeros(blocks, **i64), torch.zeros(blocks, **i64))
+
+    @property
+    def max_bs(self) -> int:
+        return self.seed.shape[0]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.block_flag.shape[0] * WRITE_BLOCK
+
+
+def validate_check(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                   out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, sources, workspace):
+    check_tensor("canary", canary, torch.uint8, 2)
+    if canary.shape[1] != RECORD_BYTES:
+        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+    for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+        check_tensor(name, t, torch.int64, 1)
+    n = input_ids.shape[0]
+    check_len("positions", positions, n, "len(input_ids)")
+    check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
+    validate_ring(ring, ring_counter, stats, tag)
+    device = check_same_device(canary=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
+                               positions=positions, out_cache_loc=out_cache_loc, ring=ring)
+    validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+    if is_host(extend_lens) and int(extend_lens.sum()) != n:
+        raise ValueError(f"extend_lens sum {int(extend_lens.sum())} != len(input_ids) ({n})")
+    validate_sources(sources, canary.shape[0], device)
+    if workspace is not None:
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a Workspace, got {type(workspace).__name__}")
+        bs = req_pool_indices.shape[0]
+        if workspace.max_bs < bs:
+            raise ValueError(f"workspace max_bs {workspace.max_bs} < bs ({bs})")
+        if workspace.max_tokens < n:
+            raise ValueError(f"workspace max_tokens {workspace.max_tokens} < len(input_ids) ({n})")
+        if workspace.sync.device != device:
+            raise ValueError(f"workspace on {workspace.sync.device} but canary on {device}")
+    return device
+
+
+# --- torch path: the sequence of ops it replaces -----------------------------------------------
+
+def _check_torch(canary, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, window, ring,
+                 counter, stats, tag, stamp, sources, mode, meta):
+    bs, (rows, max_ctx) = rpi.shape[0], rtt.shape
+    active = (rpi >= 1) & (rpi < rows)
+    p_end = prefix_lens.clamp(0, max_ctx)
+    lo = (p_end - window).clamp(min=0) if window else torch.zeros_like(p_end)
+    entries = int(torch.where(active, p_end - lo, torch.zeros_like(p_end)).sum()) if bs else 0
+    plan = Plan.allocate(max(entries, 1), max(bs, 1), canary.device)
+    build_plan(req_pool_indices=rpi, prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=rtt, plan=plan,
+               truth=truth, truth_lens=truth_lens, lut=lut, window=window, backend=Backend.TORCH)
+    verify(canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=tag, sources=sources,
+           mode=mode, meta=meta, backend=Backend.TORCH)
+    woff = plan.write_offsets[: bs + 1]
+    if stamp:
+        expected = None
+        if truth is not None:
+            expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=rpi,
+                                              prefix_lens=prefix_lens, extend_offsets=woff, input_ids=ids,
+                                              backend=Backend.TORCH)
+        stamp_op(canary=canary, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
+                 prefix_lens=prefix_lens, write_offsets=woff, seed=plan.seed[:bs], ring=ring, ring_counter=counter,
+                 stats=stats, tag=tag, expected_tokens=expected, lut=lut, backend=Backend.TORCH)
+    elif sources:
+        fingerprint(slots=_translate_torch(loc, lut), sources=sources, mode=mode, canary=canary, record=True,
+                    meta=meta, backend=Backend.TORCH)
+
+
+# --- Triton kernel -------------------------------------------------------------------------------
+
+@triton.jit
+def _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_ptr, bs, rows, max_ctx, rtt_stride,
+             lut_len, HAS_LUT: tl.constexpr, BLOCK: tl.constexpr):
+    """Write offsets (exclusive sum of clamped extend lengths) and seeds (last prefix slot)."""
+    carry = tl.zeros((), dtype=tl.int64)
+    for s in range(0, bs, BLOCK):
+        j = s + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < bs
+        row = tl.load(rpi_ptr + j, mask=m, other=0)
+        active = m & (row >= 1) & (row < rows)
+        row = tl.minimum(tl.maximum(row, 0), rows - 1)
+        p_end = tl.minimum(tl.maximum(tl.load(prefix_ptr + j, mask=m, other=0), 0), max_ctx)
+        ext = tl.maximum(tl.load(extend_ptr + j, mask=m, other=0), 0)
+        tl.store(woff_ptr + j, carry + tl.cumsum(ext, 0) - ext, mask=m)
+        last = tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p_end - 1, 0), mask=active, other=0)
+        seed = tl.where(active & (p_end > 0), _translate(last, lut_ptr, lut_len, HAS_LUT), -1)
+        tl.store(seed_ptr + j, seed, mask=m)
+        carry += tl.sum(ext, 0)
+    tl.store(woff_ptr + bs, carry)
+
+
+@triton.jit
+def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
+                    stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r, s, split, rows, max_ctx, rtt_stride,
+                    lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, HAS_LUT: tl.constexpr,
+                    HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
+    """Verify request r's prefix entries of split s: ``verify`` on the entries ``build_plan`` makes."""
+    row = tl.load(rpi_ptr + r)
+    active = (row >= 1) & (row < rows)
+    row = tl.minimum(tl.maximum(row, 0), rows - 1)
+    p_end = tl.minimum(tl.maximum(tl.load(prefix_ptr + r), 0), max_ctx)
+    lo = tl.zeros_like(p_end)
+    if window > 0:
+        lo = tl.maximum(p_end - window, 0)
+    n = tl.where(active, p_end - lo, 0)
+    tlen = tl.zeros_like(p_end)
+    if HAS_TRUTH:
+        tlen = tl.load(tlen_ptr + r)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    checked = tl.zeros((), dtype=tl.int64)
+    for base in range(s * BLOCK, n, split * BLOCK):
+        m = base + lane < n
+        p = lo + base + lane
+        p = tl.minimum(tl.maximum(p, 0), max_ctx - 1)
+        # the plan stores slots, positions and tokens as int32
+        slot = _translate(tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0), lut_ptr, lut_len, HAS_LUT)
+        slot = slot.to(tl.int32).to(tl.int64)
+        pred = _translate(tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p - 1, 0), mask=m, other=0),
+                          lut_ptr, lut_len, HAS_LUT)
+        pred = tl.where(p > 0, pred, -1).to(tl.int32).to(tl.int64)
+        etok = tl.full((BLOCK,), -1, dtype=tl.int64)
+        if HAS_TRUTH:
+            known = m & (p < tlen) & (p < truth_width)
+            etok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1).to(tl.int64)
+        epos = p
+        live = m & (slot != 0)
+        inside = live & (slot > 0) & (slot < num_slots)
+        wild = live & ~inside
+        rec = words_ptr + tl.where(inside, slot, 0) * 4
+        tok = tl.load(rec + 0, mask=inside, other=-1)
+        pos = tl.load(rec + 1, mask=inside, other=-1)
+        chain = tl.load(rec + 2, mask=inside, other=-1).to(tl.uint64, bitcast=True)
+        pred_ok = inside & (pred > 0) & (pred < num_slots)
+        prec = words_ptr + tl.where(pred_ok, pred, 0) * 4
+        p_tok = tl.load(prec + 0, mask=pred_ok, other=0)
+        p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
+        p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
+        exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
+        chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
+        pos_bad = (inside & (pos != epos)) | wild
+        tok_bad = inside & (etok != -1) & (tok != etok)
+        fp_bad = tl.zeros_like(inside)
+        stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+        exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+        if NUM_SOURCES > 0:
+            exp_fp = fold_sources(tl.where(inside, slot, 1), inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                                  NUM_SOURCES, BLOCK, BLOCK_W)
+            stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
+            fp_bad = inside & (stored_fp != exp_fp)
+        reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
+                   + tok_bad.to(tl.int64) * 32)
+        minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
+        stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
+                                                     tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
+        want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
+                        tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
+                                 tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
+        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
+                          reasons)
+        checked += tl.sum(live.to(tl.int64), 0)
+    tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
+
+
+@triton.jit
+def _look_back(sum_ptr, flag_ptr, b, epoch4):
+    """Carry into write block b + 1: walk back from block b over published aggregates until a
+    block that holds a segment start or has its inclusive sum (block 0 always has)."""
+    carry = tl.zeros((), dtype=tl.uint64)
+    go = b >= 0
+    while go:
+        f = tl.atomic_add(flag_ptr + b, 0, sem="acquire")
+        if f > epoch4:
+            carry += tl.load(sum_ptr + b, volatile=True).to(tl.uint64, bitcast=True)
+            go = (f == epoch4 + 1) & (b > 0)
+            b -= 1
+    return carry
+
+
+@triton.jit
+def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
+                 woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, w0_ptr, w1_ptr, w2_ptr,
+                 w3_ptr, meta_ptr, w, epoch4, n, bs, rows, lut_len, truth_stride, truth_width, num_slots, ring_cap,
+                 tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
+                 NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """HEAD: stamp written tokens [w*BLOCK, (w+1)*BLOCK) (``stamp`` with ``gather``'s expected
+    tokens); TAIL: record their fingerprints."""
+    block_start = w * BLOCK
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    t = block_start + lane
+    live = t < n
+    if STAMP:
+        r = find_segment(woff_ptr + 1, t, bs, NBITS)
+        has = live & (r < bs)
+        start = tl.load(woff_ptr + r, mask=has, other=0)
+        ids = tl.load(ids_ptr + t, mask=live, other=0)
+        pos = tl.load(pos_ptr + t, mask=live, other=0)
+        lk = tl.where(has, link64(ids, pos), 0)
+        is_start = has & (t == start)
+        flag = (is_start | (lane == 0)).to(tl.int32)
+        _, incl = tl.associative_scan((flag, lk), 0, seg_add)
+        excl = incl - lk
+        # publish this block's aggregate, then (when its first segment began earlier) look back
+        last_start = tl.max(tl.where(is_start, t, block_start), 0)
+        agg = tl.sum(tl.where(t >= last_start, lk, 0), 0)
+        any_start = tl.max(is_start.to(tl.int64), 0)
+        r0 = tl.min(r, 0)
+        s0 = tl.load(woff_ptr + tl.minimum(r0, bs), mask=r0 < bs, other=block_start)
+        open_seg = (r0 < bs) & (s0 < block_start)
+        carry = tl.zeros((), dtype=tl.uint64)
+        if w > 0:
+            tl.atomic_xchg(sum_ptr + w, agg.to(tl.int64, bitcast=True))
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_ptr + w, epoch4 + 1 + any_start, sem="release")
+            if open_seg | (any_start == 0):
+                carry = _look_back(sum_ptr, flag_ptr, w - 1, epoch4)
+        inclusive = tl.where(any_start != 0, agg, carry + agg)
+        tl.atomic_xchg(sum_ptr + w, inclusive.to(tl.int64, bitcast=True))
+        tl.debug_barrier()
+        tl.atomic_xchg(flag_ptr + w, epoch4 + 3, sem="release")
+        excl += tl.where((r == r0) & open_seg, carry, 0)
+        s = tl.load(seed_ptr + r, mask=has, other=-1)
+        seed_ok = has & (s > 0) & (s < num_slots)
+        s = tl.where(seed_ok, s, 0)
+        s_tok = tl.load(words_ptr + s * 4 + 0, mask=seed_ok, other=0)
+        s_pos = tl.load(words_ptr + s * 4 + 1, mask=seed_ok, other=0)
+        s_chain = tl.load(words_ptr + s * 4 + 2, mask=seed_ok, other=0).to(tl.uint64, bitcast=True)
+        base = tl.where(seed_ok, s_chain + link64(s_tok, s_pos), 0x4B5643414E415259)
+        chain = base + excl
+        slot = tl.load(loc_ptr + t, mask=live, other=0)
+        if HAS_LUT:
+            slot = _translate(slot, lut_ptr, lut_len, True)
+        row = tl.load(rpi_ptr + r, mask=has, other=0)
+        real = has & (row != 0)
+        ok = real & (slot > 0) & (slot < num_slots)
+        p_w = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
+        exp_pos = p_w
+        pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
+        exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
+        exp_tok = ids
+        if HAS_TRUTH:
+            end = tl.load(woff_ptr + r + 1, mask=has, other=0)
+            tlen = tl.load(tlen_ptr + r, mask=has, other=0)
+            known = has & (start <= t) & (t < end) & (row >= 1) & (row < rows) & (p_w >= 0) \
+                & (p_w < tlen) & (p_w < truth_width)
+            exp_tok = tl.where(known, tl.load(truth_ptr + row * truth_stride + p_w, mask=known, other=0).to(tl.int64),
+                               ids)
+        tok_bad = real & (ids != exp_tok)
+        reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
+        dst = words_ptr + tl.where(ok, slot, 0) * 4
+        tl.store(dst + 0, ids, mask=ok)
+        tl.store(dst + 1, pos, mask=ok)
+        tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
+        tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
+        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
+                          tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
+        n_ok = tl.sum(ok.to(tl.int64), 0)
+        tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
+    elif NUM_SOURCES > 0:
+        for c in tl.static_range(BLOCK // 32):
+            tc = block_start + c * 32 + tl.arange(0, 32).to(tl.int64)
+            lc = tc < n
+            slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
+            ok = lc & (slot > 0) & (slot < num_slots)
+            slot = tl.where(ok, slot, 0)
+            h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
+            tl.store(words_ptr + slot * 4 + 3, h.to(tl.int64, bitcast=True), mask=ok)
+
+
+@triton.jit
+def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
+                  pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr, flag_ptr,
+                  w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
+                  truth_width, window, num_slots, ring_cap, tag, split, n_verify, grid, STAMP: tl.constexpr,
+                  HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr,
+                  BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+    ticket = tl.atomic_add(sync_ptr + 0, 1)
+    if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
+        tl.atomic_xchg(sync_ptr + 0, 0)
+    epoch4 = tl.atomic_add(sync_ptr + 3, 0) * 4
+    if ticket == 0:
+        if STAMP:
+            _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_ptr, bs, rows, max_ctx,
+                     rtt_stride, lut_len, HAS_LUT, 1024)
+        tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 1, 1, sem="release")
+    elif ticket <= n_verify:
+        v = ticket - 1
+        _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
+                        stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, v // split, v % split, split, rows,
+                        max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
+                        HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 1, 1, sem="release")
+    else:
+        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        while done < n_verify + 1:
+            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr, woff_ptr,
+                     seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr,
+                     meta_ptr, ticket - 1 - n_verify, epoch4, n, bs, rows, lut_len, truth_stride, truth_width,
+                     num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH, NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
+    tl.debug_barrier()
+    finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
+    if finished == grid - 1:  # the last one out: reset the counters, open the next epoch
+        tl.atomic_xchg(sync_ptr + 2, 0)
+        tl.atomic_xchg(sync_ptr + 1, 0)
+        tl.atomic_add(sync_ptr + 3, 1, sem="release")
+
+
+def verify_split(bs: int, max_ctx: int, block: int) -> int:
+    """Programs per request: enough to fill ~TARGET_PROGRAMS programs, no more than a full row needs."""
+    return max(1, min(cdiv(max_ctx, block), cdiv(TARGET_PROGRAMS, max(bs, 1))))
+
+
+def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, input_ids: torch.Tensor,
+                  positions: torch.Tensor, out_cache_loc: torch.Tensor, ring: torch.Tensor,
+                  ring_counter: torch.Tensor, stats: torch.Tensor, tag: int, stamp: bool,
+                  truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None, sources=(),
+                  mode: FingerprintMode = FingerprintMode.NONE, meta: torch.Tensor | None = None,
+                  lut: torch.Tensor | None = None, window: int = 0, workspace: Workspace | None = None,
+                  backend: Backend = Backend.AUTO) -> None:
+    """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc). Never
+    raises on values; raises TypeError / ValueError for wrong dtypes, shapes, devices, ring or
+    stats layout, sources, or a workspace too small. ``workspace`` is allocated when None (pass
+    one inside CUDA-graph capture)."""
+    sources = list(sources) if mode is not FingerprintMode.NONE else []
+    device = validate_check(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                            out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, sources,
+                            workspace)
+    tag = int(tag)
+    if not use_triton(backend, device):
+        _check_torch(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                     out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, stamp, sources,
+                     mode, meta)
+        return
+    for name, t in (("canary", canary), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_lens", extend_lens), ("input_ids", input_ids), ("positions", positions),
+                    ("out_cache_loc", out_cache_loc), ("truth_lens", truth_lens), ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
+    for name, t in (("req_to_token", req_to_token), ("truth", truth)):
+        if t is not None and t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+    n, bs = input_ids.shape[0], req_pool_indices.shape[0]
+    rows, max_ctx = req_to_token.shape
+    if workspace is None:
+        workspace = Workspace.allocate(max(bs, 1), max(n, 1), device)
+    fp_sources = sources
+    block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
+        if fp_sources else 512
+    split = verify_split(bs, max_ctx, block_v)
+    n_verify = bs * split
+    n_write = cdiv(n, WRITE_BLOCK) if (stamp or fp_sources) else 0
+    grid = 1 + n_verify + n_write
+    meta = source_meta(fp_sources, mode, device) if meta is None and fp_sources else meta
+    truth_t = truth if truth is not None else req_to_token
+    _check_kernel[(grid,)](
+        record_words(canary), req_pool_indices, prefix_lens, extend_lens, req_to_token,
+        lut if lut is not None else workspace.seed, truth_t, truth_lens if truth_lens is not None else prefix_lens,
+        input_ids, positions, out_cache_loc, ring, ring_counter, stats, workspace.sync, workspace.write_offsets,
+        workspace.seed, workspace.block_sum, workspace.block_flag,
+        *source_words(fp_sources, workspace.seed), meta if meta is not None else workspace.sync,
+        n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
+        truth_t.shape[1], window, canary.shape[0], ring.shape[0], tag, split, n_verify, grid,
+        STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
+        NBITS=num_bits(bs), BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4,
+        BLOCK_T=WRITE_BLOCK, num_warps=4)

@@ -1,0 +1,223 @@
+"""check_forward: HEAD and TAIL in one launch agree with the sequence of ops they replace.
+
+The pure-Python reference is that sequence (build_plan -> verify -> gather -> stamp for HEAD;
+build_plan -> verify with fingerprints -> fingerprint(record) for TAIL); the torch path and the
+Triton kernel (interpreted on CPU) must both give its canary bytes, ring rows, counter and stats,
+on random pools with damaged records, wild page-table entries, skewed positions, wrong tokens, a
+sliding-window LUT and writes that span several 1024-token blocks (the look-back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcanary.core.hashing import chain_values, to_signed
+from kvcanary.core.record import STAT_CHECKED, STAT_LAUNCHES, STAT_STAMPED, Half, new_ring, new_stats, record_words
+from kvcanary.ops._common import Backend
+from kvcanary.ops.check import Workspace, check_forward, verify_split
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.ops.plan import Plan
+
+from . import reference as ref
+from ._compare import assert_same
+from ._helpers import BACKENDS, SEEDS, assert_ring, plan_lists, random_canary, run_op, token_ids, words_of
+
+MODES = [FingerprintMode.NONE, FingerprintMode.PARTIAL, FingerprintMode.ALL]
+
+
+def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mode: FingerprintMode,
+               with_truth: bool, corrupt: float, lut: bool, window: int, stamp: bool, tag: int) -> dict:
+    """Requests with clean stamped prefixes in random slots, writes into other free slots, then damage."""
+    bs = len(prefix)
+    need = sum(prefix) + sum(extend)
+    num_slots = need + 4 + int(torch.randint(0, 5, (1,), generator=gen))
+    max_ctx = max([p + e for p, e in zip(prefix, extend, strict=True)], default=0) + 2
+    canary = random_canary(gen, num_slots)
+    words = record_words(canary)
+    sources = []
+    if mode is not FingerprintMode.NONE:
+        page = int(torch.randint(1, 4, (1,), generator=gen))
+        pages = -(-num_slots // page)
+        sources = [KVSource.from_buffer(torch.randint(0, 256, (pages, page, 48), dtype=torch.uint8, generator=gen),
+                                        page_size=page, half=Half(i)) for i in range(2)]
+    ref_sources = [ref.RefSource.of(s) for s in sources]
+    # the pool slot of page-table slot s: identity, or a permutation through a LUT (0 stays 0)
+    table = torch.arange(num_slots)
+    if lut:
+        table[1:] = torch.randperm(num_slots - 1, generator=gen) + 1
+    free = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    rtt = torch.zeros(bs + 1, max_ctx, dtype=torch.int32)
+    truth = torch.zeros(bs + 1, max_ctx, dtype=torch.int32)
+    ids, pos, loc, truth_lens = [], [], [], []
+    for r in range(bs):
+        n, e = prefix[r], extend[r]
+        tokens = token_ids(gen, n + e, -(2**31), 2**31 - 1).tolist()
+        slots, free = free[: n + e], free[n + e:]
+        rtt[r + 1, : n + e] = torch.tensor(slots, dtype=torch.int32)
+        truth[r + 1, : n + e] = torch.tensor(tokens, dtype=torch.int32)
+        truth_lens.append(n + e - int(torch.randint(0, 2, (1,), generator=gen)))
+        for p, (s, c) in enumerate(zip(slots[:n], chain_values(tokens[:n]), strict=True)):
+            pool_slot = int(table[s])
+            fp = ref.fingerprint_slot(pool_slot, ref_sources, mode) if sources else 0
+            words[pool_slot] = torch.tensor([tokens[p], p, to_signed(c), fp])
+        ids += tokens[n:]
+        pos += list(range(n, n + e))
+        loc += slots[n:]
+    rpi = torch.arange(1, bs + 1)
+    rpi[torch.rand(bs, generator=gen) < 0.15] = 0  # padding requests
+    ids_t, pos_t, loc_t = (torch.tensor(x, dtype=torch.int64) for x in (ids, pos, loc))
+    # damage: record words, page-table entries (wild, padding, another slot), positions, written tokens
+    bad = torch.rand(num_slots, generator=gen) < corrupt
+    col = torch.randint(0, 4, (num_slots,), generator=gen)
+    words[bad, col[bad]] += torch.randint(1, 3, (int(bad.sum()),), generator=gen)
+    hit = torch.rand(rtt.shape, generator=gen) < corrupt / 4
+    wild = torch.tensor([0, -3, num_slots, num_slots + 7, 1], dtype=torch.int32)
+    rtt = torch.where(hit, wild[torch.randint(0, 5, rtt.shape, generator=gen)], rtt)
+    if len(ids):
+        pos_t += (torch.rand(len(pos), generator=gen) < corrupt / 4).to(torch.int64)
+        ids_t += (torch.rand(len(ids), generator=gen) < corrupt / 4).to(torch.int64)
+    ring, counter = new_ring(sum(prefix) + len(ids) + 3)
+    counter += int(torch.randint(0, 3, (1,), generator=gen))
+    stats = torch.randint(0, 50, new_stats().shape, generator=gen)
+    return dict(canary=canary, req_pool_indices=rpi, prefix_lens=torch.tensor(prefix, dtype=torch.int64),
+                extend_lens=torch.tensor(extend, dtype=torch.int64), req_to_token=rtt, input_ids=ids_t,
+                positions=pos_t, out_cache_loc=loc_t, ring=ring, ring_counter=counter, stats=stats, tag=tag,
+                stamp=stamp, truth=truth if with_truth else None,
+                truth_lens=torch.tensor(truth_lens, dtype=torch.int64) if with_truth else None,
+                sources=sources, mode=mode, lut=table if lut else None, window=window)
+
+
+def expected(w: dict):
+    """(records, ring rows, checked, stamped) of the sequence of reference ops."""
+    bs = w["req_pool_indices"].shape[0]
+    rpi, prefix, extend = w["req_pool_indices"].tolist(), w["prefix_lens"].tolist(), w["extend_lens"].tolist()
+    rtt, max_ctx = w["req_to_token"].tolist(), w["req_to_token"].shape[1]
+    truth = w["truth"].tolist() if w["truth"] is not None else None
+    tlens = w["truth_lens"].tolist() if w["truth_lens"] is not None else None
+    lut = w["lut"].tolist() if w["lut"] is not None else None
+    entries = sum(min(max(p, 0), max_ctx) - (max(min(p, max_ctx) - w["window"], 0) if w["window"] else 0)
+                  for p, row in zip(prefix, rpi, strict=True) if 1 <= row < len(rtt))
+    plan = ref.build_plan(rpi, prefix, extend, rtt, max_ctx, plan_lists(Plan.allocate(max(entries, 1), max(bs, 1))),
+                          truth, max_ctx, tlens, lut, w["window"])
+    sources = [ref.RefSource.of(s) for s in w["sources"]]
+    words = words_of(w["canary"])
+    rows, checked = ref.verify(words, plan, w["tag"], sources, w["mode"])
+    ids, pos, loc = w["input_ids"].tolist(), w["positions"].tolist(), w["out_cache_loc"].tolist()
+    stamped = 0
+    if w["stamp"]:
+        exp = None
+        if truth is not None:
+            exp = ref.gather_expected_tokens(truth, max_ctx, tlens, rpi, prefix, plan["write_offsets"][: bs + 1], ids)
+        words, stamp_rows, stamped = ref.stamp(words, loc, ids, pos, rpi, prefix, plan["write_offsets"][: bs + 1],
+                                               plan["seed"][:bs], w["tag"], exp, lut)
+        rows += stamp_rows
+    elif sources:
+        _, words = ref.fingerprint([ref.translate(s, lut) for s in loc], sources, w["mode"], words, record=True)
+    return words, rows, checked, stamped
+
+
+def check_all(w: dict) -> list[list[int]]:
+    words, rows, checked, stamped = expected(w)
+    want_stats = w["stats"].clone()
+    want_stats[w["tag"], STAT_LAUNCHES] += 1
+    want_stats[w["tag"], STAT_CHECKED] += checked
+    want_stats[w["tag"], STAT_STAMPED] += stamped
+    for backend in BACKENDS:
+        args, _ = run_op(check_forward, backend, **w)
+        assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]),
+                    rows)
+        assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
+        assert_same(f"canary [{backend.value}]", words_of(args["canary"]), words)
+    return rows
+
+
+@settings(max_examples=8)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5)), max_size=5),
+       mode=st.sampled_from(MODES), with_truth=st.booleans(), corrupt=st.sampled_from([0.0, 0.1, 0.3]),
+       lut=st.booleans(), window=st.sampled_from([0, 0, 7]), stamp=st.booleans(), tag=st.integers(0, 11))
+def test_matches_the_sequence_of_ops(seed, lens, mode, with_truth, corrupt, lut, window, stamp, tag):
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=with_truth,
+                   corrupt=corrupt, lut=lut, window=window, stamp=stamp, tag=tag)
+    rows = check_all(w)
+    if corrupt == 0.0:
+        assert rows == []
+
+
+@pytest.mark.parametrize("stamp", [True, False], ids=["head", "tail"])
+def test_writes_spanning_blocks_continue_the_chain(stamp):
+    """Segments that open in one 1024-token block and close blocks later: the look-back carries."""
+    gen = torch.Generator().manual_seed(7)
+    w = make_world(gen, [3, 0, 20, 5], [700, 1500, 3, 1100], mode=FingerprintMode.PARTIAL, with_truth=True,
+                   corrupt=0.05, lut=False, window=0, stamp=stamp, tag=4)
+    assert check_all(w)
+
+
+def test_clean_long_prefill_then_decode_reports_nothing():
+    """A clean 2500-token prefill stamped by the kernel verifies clean on the next HEAD."""
+    gen = torch.Generator().manual_seed(8)
+    w = make_world(gen, [0, 2], [2500, 1], mode=FingerprintMode.NONE, with_truth=True, corrupt=0.0, lut=False,
+                   window=0, stamp=True, tag=0)
+    w["req_pool_indices"] = torch.tensor([1, 2])
+    args, _ = run_op(check_forward, Backend.TRITON, **w)
+    assert int(args["ring_counter"][0]) == int(w["ring_counter"][0])
+    decode = dict(args, prefix_lens=torch.tensor([2500, 3]), extend_lens=torch.tensor([0, 0]),
+                  input_ids=torch.zeros(0, dtype=torch.int64), positions=torch.zeros(0, dtype=torch.int64),
+                  out_cache_loc=torch.zeros(0, dtype=torch.int64))
+    decode["truth_lens"] = torch.tensor([2500, 3])
+    checked = int(decode["stats"][0, STAT_CHECKED])
+    check_forward(**decode, backend=Backend.TRITON)
+    assert int(decode["ring_counter"][0]) == int(w["ring_counter"][0])
+    assert int(decode["stats"][0, STAT_CHECKED]) == checked + 2503
+
+
+def test_one_workspace_serves_many_launches():
+    """The sync words return to their rest state after every launch (only the epoch grows)."""
+    gen = torch.Generator().manual_seed(9)
+    ws = Workspace.allocate(8, 4096)
+    for k in range(3):
+        w = make_world(gen, [5, 9, 2], [1, 1300, 4], mode=FingerprintMode.NONE, with_truth=False, corrupt=0.1,
+                       lut=False, window=0, stamp=True, tag=0)
+        words, rows, _, _ = expected(w)
+        check_forward(**w, workspace=ws, backend=Backend.TRITON)
+        assert_same("canary", words_of(w["canary"]), words)
+        assert ws.sync.tolist() == [0, 0, 0, k + 1]
+
+
+def test_split_fills_the_device_without_idle_rows():
+    assert verify_split(1, 32768, 1024) == 32
+    assert verify_split(1, 512, 1024) == 1
+    assert verify_split(256, 32768, 256) == 4
+    assert verify_split(4096, 32768, 32) == 1
+
+
+def valid_world() -> dict:
+    return make_world(torch.Generator().manual_seed(3), [4, 6], [2, 1], mode=FingerprintMode.NONE, with_truth=True,
+                      corrupt=0.0, lut=False, window=0, stamp=True, tag=0)
+
+
+@pytest.mark.parametrize(("change", "exc", "fragment"), [
+    (dict(input_ids=torch.zeros(3, dtype=torch.int32)), TypeError, "input_ids"),
+    (dict(positions=torch.zeros(2, dtype=torch.int64)), ValueError, "positions length 2 != len(input_ids) (3)"),
+    (dict(extend_lens=torch.tensor([2, 2])), ValueError, "extend_lens sum 4 != len(input_ids) (3)"),
+    (dict(prefix_lens=torch.tensor([4])), ValueError, "prefix_lens length 1 != bs (2)"),
+    (dict(truth_lens=None), ValueError, "truth and truth_lens go together"),
+    (dict(window=-1), ValueError, "window -1 < 0"),
+    (dict(req_pool_indices=torch.tensor([1, 9])), ValueError, "req_pool_indices[1] out of range"),
+    (dict(workspace=Workspace.allocate(1, 8)), ValueError, "workspace max_bs 1 < bs (2)"),
+    (dict(workspace="x"), TypeError, "workspace must be a Workspace"),
+])
+def test_validation_errors(change, exc, fragment):
+    w = valid_world() | change
+    with pytest.raises(exc) as info:
+        check_forward(**w, backend=Backend.TRITON)
+    assert fragment in str(info.value)
+
+
+def test_workspace_errors():
+    with pytest.raises(ValueError, match="max_bs 0 < 1"):
+        Workspace.allocate(0, 8)
+    with pytest.raises(ValueError, match="max_tokens 0 < 1"):
+        Workspace.allocate(2, 0)
