@@ -29,11 +29,14 @@ class CanaryConfig:
     (``layers=None``: the first and last layer; at most 4 sources in all). ``sweep_interval``:
     steps between sweeps of idle prefix-cache slots (0 = never); ``sweep_budget_bytes``: bytes one
     sweep may read. ``ring_capacity``: violation rows kept between reads. ``plan_capacity``: verify
-    entries per forward (more disables that forward's verify and is counted). ``max_bs``: requests
-    per forward. ``stats_period``: steps between stats lines (0 = never). ``truth``: check the tokens
+    entries per forward (more disables that forward's verify and is counted; the fused CUDA path
+    has no such limit). ``max_bs``: requests per forward; ``max_tokens``: tokens one forward
+    writes. ``stats_period``: steps between stats lines (0 = never). ``truth``: check the tokens
     of every forward (written and read) against the requests' token history; sweeps check idle
     cached slots against the tokens the engine passes with them (its prefix-cache keys) either way.
-    ``watchdog_window``: steps a launch point may stay silent (0 = derived from the sweep interval)."""
+    ``watchdog_window``: steps a launch point may stay silent (0 = derived from the sweep interval).
+    ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: on CUDA; True elsewhere
+    runs the Triton kernel on the CPU, which needs TRITON_INTERPRET=1 and is for tests)."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL
@@ -44,6 +47,8 @@ class CanaryConfig:
     ring_capacity: int = 4096
     plan_capacity: int = 1 << 16
     max_bs: int = 1024
+    max_tokens: int = 1 << 20
+    fused: bool | None = None
     stats_period: int = 0
     truth: bool = True
     watchdog_window: int = 0
@@ -62,7 +67,7 @@ class CanaryConfig:
         for name in ("sweep_interval", "sweep_budget_bytes", "stats_period", "watchdog_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"CanaryConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("ring_capacity", "plan_capacity", "max_bs"):
+        for name in ("ring_capacity", "plan_capacity", "max_bs", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"CanaryConfig.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -118,14 +118,14 @@ def expected(w: dict):
     return words, rows, checked, stamped
 
 
-def check_all(w: dict) -> list[list[int]]:
+def check_all(w: dict, split: int | None = None) -> list[list[int]]:
     words, rows, checked, stamped = expected(w)
     want_stats = w["stats"].clone()
     want_stats[w["tag"], STAT_LAUNCHES] += 1
     want_stats[w["tag"], STAT_CHECKED] += checked
     want_stats[w["tag"], STAT_STAMPED] += stamped
     for backend in BACKENDS:
-        args, _ = run_op(check_forward, backend, **w)
+        args, _ = run_op(check_forward, backend, **w, split=split)
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]),
                     rows)
         assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
@@ -136,12 +136,13 @@ def check_all(w: dict) -> list[list[int]]:
 @settings(max_examples=8)
 @given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5)), max_size=5),
        mode=st.sampled_from(MODES), with_truth=st.booleans(), corrupt=st.sampled_from([0.0, 0.1, 0.3]),
-       lut=st.booleans(), window=st.sampled_from([0, 0, 7]), stamp=st.booleans(), tag=st.integers(0, 11))
-def test_matches_the_sequence_of_ops(seed, lens, mode, with_truth, corrupt, lut, window, stamp, tag):
+       lut=st.booleans(), window=st.sampled_from([0, 0, 7]), stamp=st.booleans(), tag=st.integers(0, 11),
+       split=st.sampled_from([None, 1, 3]))
+def test_matches_the_sequence_of_ops(seed, lens, mode, with_truth, corrupt, lut, window, stamp, tag, split):
     gen = torch.Generator().manual_seed(seed)
     w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=with_truth,
                    corrupt=corrupt, lut=lut, window=window, stamp=stamp, tag=tag)
-    rows = check_all(w)
+    rows = check_all(w, split)
     if corrupt == 0.0:
         assert rows == []
 
@@ -152,7 +153,7 @@ def test_writes_spanning_blocks_continue_the_chain(stamp):
     gen = torch.Generator().manual_seed(7)
     w = make_world(gen, [3, 0, 20, 5], [700, 1500, 3, 1100], mode=FingerprintMode.PARTIAL, with_truth=True,
                    corrupt=0.05, lut=False, window=0, stamp=stamp, tag=4)
-    assert check_all(w)
+    assert check_all(w, split=4)
 
 
 def test_clean_long_prefill_then_decode_reports_nothing():
@@ -208,6 +209,7 @@ def valid_world() -> dict:
     (dict(req_pool_indices=torch.tensor([1, 9])), ValueError, "req_pool_indices[1] out of range"),
     (dict(workspace=Workspace.allocate(1, 8)), ValueError, "workspace max_bs 1 < bs (2)"),
     (dict(workspace="x"), TypeError, "workspace must be a Workspace"),
+    (dict(split=0), ValueError, "split 0 < 1"),
 ])
 def test_validation_errors(change, exc, fragment):
     w = valid_world() | change

@@ -418,11 +418,13 @@ def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefi
                   truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None, sources=(),
                   mode: FingerprintMode = FingerprintMode.NONE, meta: torch.Tensor | None = None,
                   lut: torch.Tensor | None = None, window: int = 0, workspace: Workspace | None = None,
-                  backend: Backend = Backend.AUTO) -> None:
+                  split: int | None = None, backend: Backend = Backend.AUTO) -> None:
     """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc). Never
     raises on values; raises TypeError / ValueError for wrong dtypes, shapes, devices, ring or
     stats layout, sources, or a workspace too small. ``workspace`` is allocated when None (pass
-    one inside CUDA-graph capture)."""
+    one inside CUDA-graph capture). ``split``: programs per request verifying its prefix (None:
+    ``verify_split`` on CUDA, 1 elsewhere, where the Triton interpreter runs programs one by one);
+    the results do not depend on it."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     device = validate_check(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                             out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, sources,
@@ -448,7 +450,10 @@ def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefi
     fp_sources = sources
     block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
         if fp_sources else 512
-    split = verify_split(bs, max_ctx, block_v)
+    if split is None:
+        split = verify_split(bs, max_ctx, block_v) if device.type == "cuda" else 1
+    elif split < 1:
+        raise ValueError(f"split {split} < 1")
     n_verify = bs * split
     n_write = cdiv(n, WRITE_BLOCK) if (stamp or fp_sources) else 0
     grid = 1 + n_verify + n_write

@@ -16,6 +16,8 @@ tokens the forward writes (``T == extend_lens.sum()``).
 | truth_ids         | int64[n] or None         | per request: origin + output ids so far, flat    |
 | truth_offsets     | int64[bs+1] or None      | request r owns truth_ids[off[r]:off[r+1]]        |
 | request_ids       | tuple of bs ids or None  | host-side ids used to name requests in reports   |
+| slot_lut          | int64[num_slots] or None | sliding-window pool: full slot -> window slot,   |
+|                   |                          | 0 = none (read by a Canary built with a window)  |
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ForwardBatch:
     truth_ids: torch.Tensor | None = None
     truth_offsets: torch.Tensor | None = None
     request_ids: tuple | None = None
+    slot_lut: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -37,6 +37,8 @@ from kvcanary.core.record import (
     new_stats,
 )
 from kvcanary.errors import CanaryViolation, KVCanaryError
+from kvcanary.ops._common import HAS_TRITON, Backend
+from kvcanary.ops.check import Workspace, check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
@@ -91,6 +93,7 @@ class CanaryTotals:
     violations: int = 0
     by_reason: Counter = field(default_factory=Counter)
     by_launch_point: Counter = field(default_factory=Counter)
+    by_label: Counter = field(default_factory=Counter)  # (reason, launch point, pool) -> count, for metrics
     recomputed_requests: int = 0
     watchdog_alarms: int = 0
     seconds: float = 0.0
@@ -98,8 +101,9 @@ class CanaryTotals:
 
 class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
-                 pool: PoolKind = PoolKind.FULL):
+                 pool: PoolKind = PoolKind.FULL, window: int = 0):
         self.config, self.geometry, self.pool = config, geometry, pool
+        self.window = window  # > 0: a sliding-window pool, addressed through ForwardBatch.slot_lut
         dev = torch.device(geometry.device)
         self.canary = new_canary(geometry.num_slots, dev)
         self.ring, self.ring_counter = new_ring(config.ring_capacity, dev)
@@ -107,6 +111,11 @@ class Canary:
         self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
+        self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
+        # on CUDA, HEAD and TAIL are one launch each (check_forward); elsewhere the ops run one by one
+        self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
+        self.workspaces = {p: Workspace.allocate(config.max_bs, config.max_tokens, dev)
+                           for p in (LaunchPoint.HEAD, LaunchPoint.TAIL)} if self.fused else {}
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         self.reporter = Reporter(self.ring, self.ring_counter, self.stats)
@@ -133,41 +142,92 @@ class Canary:
         """Verify every prefix slot the batch reads, then stamp the slots it writes."""
         if not self.config.enabled:
             return
+        self.prepare_head(b)
+        self.launch_head(b)
+
+    def prepare_head(self, b: ForwardBatch) -> None:
+        """The host-fed half of HEAD: remember the batch for the report, scatter its token truth.
+        Not capturable (its input sizes change every step); run it before a graph replay."""
+        if not self.config.enabled:
+            return
         t0 = time.perf_counter()
         self._meta.batch = b
-        bs = b.batch_size
-        truth = truth_lens = expected = None
-        if self.config.truth and b.truth_ids is not None:
+        if self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                                   pool_out=self.truth)
-            truth, truth_lens = self.truth, b.truth_offsets[1:] - b.truth_offsets[:-1]
+            bs = b.batch_size
+            torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
+        self.totals.seconds += time.perf_counter() - t0
+
+    def launch_head(self, b: ForwardBatch) -> None:
+        """The device half of HEAD: fixed-size launches only, no host sync, no allocation on the
+        fused (CUDA) path, so it can be captured in a CUDA graph with the forward."""
+        if not self.config.enabled:
+            return
+        t0 = time.perf_counter()
+        bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
+        if self.fused:
+            check_forward(canary=self.canary, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, ring=self.ring,
+                          ring_counter=self.ring_counter, stats=self.stats, tag=tag, stamp=True, truth=truth,
+                          truth_lens=truth_lens, lut=self._lut(b), window=self.window,
+                          workspace=self.workspaces[LaunchPoint.HEAD], backend=Backend.TRITON)
+            self.totals.seconds += time.perf_counter() - t0
+            return
         build_plan(req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens,
-                   req_to_token=b.req_to_token, plan=self.plan, truth=truth, truth_lens=truth_lens)
+                   req_to_token=b.req_to_token, plan=self.plan, truth=truth, truth_lens=truth_lens,
+                   lut=self._lut(b), window=self.window)
         verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-               tag=self.tag(LaunchPoint.HEAD))
+               tag=tag)
         woff = self.plan.write_offsets[: bs + 1]
+        expected = None
         if truth is not None:
             expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=b.req_pool_indices,
                                               prefix_lens=b.prefix_lens, extend_offsets=woff, input_ids=b.input_ids)
-        stamp(canary=self.canary, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids, positions=b.positions,
+        stamp(canary=self.canary, out_cache_loc=self._written(b), input_ids=b.input_ids, positions=b.positions,
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
               seed=self.plan.seed[:bs], ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-              tag=self.tag(LaunchPoint.HEAD), expected_tokens=expected)
+              tag=tag, expected_tokens=expected)
         self.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
         """Verify the prefix again (stray writes during the forward, fingerprints), then record
-        the fingerprints of the slots just written."""
+        the fingerprints of the slots just written. Capturable on the fused (CUDA) path."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
-        verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-               tag=self.tag(LaunchPoint.TAIL), sources=self.sources, mode=self.config.real_kv, meta=self.meta)
-        if self.sources:
-            fingerprint(slots=b.out_cache_loc, sources=self.sources, mode=self.config.real_kv, canary=self.canary,
-                        record=True, meta=self.meta)
+        tag = self.tag(LaunchPoint.TAIL)
+        if self.fused:
+            bs = b.batch_size
+            truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
+            check_forward(canary=self.canary, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, ring=self.ring,
+                          ring_counter=self.ring_counter, stats=self.stats, tag=tag, stamp=False, truth=truth,
+                          truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
+                          lut=self._lut(b), window=self.window, workspace=self.workspaces[LaunchPoint.TAIL],
+                          backend=Backend.TRITON)
+        else:
+            verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter,
+                   stats=self.stats, tag=tag, sources=self.sources, mode=self.config.real_kv, meta=self.meta)
+            if self.sources:
+                fingerprint(slots=self._written(b), sources=self.sources, mode=self.config.real_kv,
+                            canary=self.canary, record=True, meta=self.meta)
         self.totals.forwards += 1
         self.totals.seconds += time.perf_counter() - t0
+
+    def _use_truth(self, b: ForwardBatch) -> bool:
+        return self.config.truth and b.truth_offsets is not None
+
+    def _lut(self, b: ForwardBatch) -> torch.Tensor | None:
+        return b.slot_lut if self.window else None
+
+    def _written(self, b: ForwardBatch) -> torch.Tensor:
+        """The slots of this pool the forward writes: ``out_cache_loc``, through the window table."""
+        lut = self._lut(b)
+        return b.out_cache_loc if lut is None else lut[b.out_cache_loc]
 
     # --- sweeps and moved rows -----------------------------------------------------------------
 
@@ -277,6 +337,7 @@ class Canary:
             t.by_launch_point[v.point.name] += 1
             for name in Reason.names(v.reasons):
                 t.by_reason[name] += 1
+                t.by_label[name, v.point.name, v.tag.pool.name] += 1
             log.warning(v.line())
         for a in report.alarms:
             t.watchdog_alarms += 1
