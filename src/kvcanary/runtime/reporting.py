@@ -25,13 +25,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.core.record import LaunchPoint, LaunchTag, Reason, ViolationRow, decode_rows, format_reasons
+from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
 
 VIOLATION_RE = re.compile(
     r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "
     r"slot=(?P<slot>-?\d+) position=(?P<position>-?\d+) token=(?P<token>-?\d+) "
     r"expected_token=(?P<expected_token>-?\d+) stored=(?P<stored>0x[0-9a-f]{16}) expected=(?P<expected>0x[0-9a-f]{16}) "
     r"requests=(?P<requests>[\w@,.-]*)$")
+# the stats line (``Canary.stats_line``, every ``CanaryConfig.stats_period`` steps) and the watchdog line
+STATS_RE = re.compile(
+    r"^kv_canary stats: step=(?P<step>-?\d+) protected_tokens=(?P<protected_tokens>\d+) "
+    r"verified_slots=(?P<verified_slots>\d+) sweeps=(?P<sweeps>\d+) violations=(?P<violations>\d+) "
+    r"dropped=(?P<dropped>\d+) plan_overflows=(?P<plan_overflows>\d+)$")
+WATCHDOG_RE = re.compile(
+    r"^kv_canary watchdog: point=(?P<point>[A-Z]+) silent_steps=(?P<silent_steps>\d+) window=(?P<window>\d+) "
+    r"checks stopped running$")
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,8 @@ def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ..
     if width == 0:
         return ()
     table = b.req_to_token[b.req_pool_indices, :width].cpu()
+    if getattr(b, "slot_lut", None) is not None and row.tag.pool is not PoolKind.FULL:  # window-pool slots
+        table = b.slot_lut.cpu()[table.to(torch.int64)]
     hit = (table == row.slot) & (torch.arange(width)[None, :] < ends[:, None]) & (rows[:, None] != 0)
     ids = b.request_ids or tuple(range(b.batch_size))
     return tuple((ids[int(r)], int(p)) for r, p in torch.nonzero(hit).tolist())

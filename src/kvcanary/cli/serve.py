@@ -1,0 +1,102 @@
+"""``kv-canary serve``: the reference engine behind an OpenAI-compatible API, with the canary's
+admin routes and Prometheus metrics mounted."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+from typing import Annotated
+
+import typer
+
+from kvcanary.cli._app import (
+    MODELS,
+    Device,
+    DeviceName,
+    Model,
+    ModelSize,
+    PolicyName,
+    RealKV,
+    RealKv,
+    Seed,
+    SweepBudget,
+    SweepInterval,
+    Threads,
+    Verbose,
+    app,
+    err_console,
+    set_threads,
+    setup_logging,
+)
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.engine.config import EngineConfig
+from kvcanary.errors import ConfigError
+from kvcanary.ops.fingerprint import FingerprintMode
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@app.command(help="Serve the reference engine with the canary on: OpenAI-compatible POST /v1/completions, the "
+                  "canary's admin routes (/canary/status, /canary/violations, /canary/sweep, /canary/slots/{slot}, "
+                  "/canary/faults with --enable-faults) and Prometheus /metrics. Binds to 127.0.0.1 by default.")
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
+    model: Model = ModelSize.tiny,
+    device: Device = DeviceName.cpu,
+    seed: Seed = 0,
+    policy: Annotated[PolicyName, typer.Option("--policy", help="off, log, raise (the engine stops at the first "
+                                               "violation; the admin routes keep answering) or recompute.")] = (
+        PolicyName.log),
+    real_kv: RealKv = RealKV.partial,
+    sweep_interval: SweepInterval = 8,
+    sweep_budget: SweepBudget = 1 << 20,
+    stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats lines "
+                                              "(0 = never).")] = 0,
+    num_slots: Annotated[int, typer.Option("--num-slots", min=2, help="KV slots of the engine's pool.")] = 4096,
+    max_ctx: Annotated[int, typer.Option("--max-ctx", min=2, help="Longest prompt + max_tokens.")] = 1024,
+    admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCANARY_ADMIN_TOKEN",
+                                                    help="Bearer token the mutating admin routes require.")] = None,
+    enable_faults: Annotated[bool, typer.Option("--enable-faults", help="Serve the fault-injection routes "
+                                                "(refused otherwise).")] = False,
+    threads: Threads = None,
+    verbose: Verbose = False,
+) -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    from kvcanary.server.admin import AdminConfig
+    from kvcanary.server.app import build_app
+    from kvcanary.server.service import ServeConfig
+
+    set_threads(threads, model)
+    setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
+    if device is DeviceName.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
+    try:
+        config = ServeConfig(
+            model=dataclasses.replace(MODELS[model.value], seed=seed),
+            engine=EngineConfig(num_slots=num_slots, max_ctx=max_ctx, chunk_size=64, host_tier_slots=num_slots // 2,
+                                device=device.value),
+            canary=CanaryConfig(policy=Policy(policy.value), real_kv=FingerprintMode[real_kv.name.upper()],
+                                sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget,
+                                stats_period=stats_period),
+            admin=AdminConfig(token=admin_token, enable_faults=enable_faults))
+    except (ConfigError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    if not _is_loopback(host) and admin_token is None:
+        err_console.print(f"[yellow]warning:[/] binding {host} without --admin-token: anyone who reaches it can "
+                          "run sweeps" + (" and inject faults" if enable_faults else ""))
+    err_console.print(f"kv-canary serve: http://{host}:{port}/v1/completions (model {config.model_name!r}); admin "
+                      f"/canary/status, metrics /metrics; faults {'enabled' if enable_faults else 'disabled'}",
+                      highlight=False)
+    uvicorn.run(build_app(config), host=host, port=port, log_level="warning")

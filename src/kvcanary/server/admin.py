@@ -1,0 +1,332 @@
+"""The canary's admin routes: a FastAPI router any engine can mount, or serve alone.
+
+| route                         | auth | answer                                                        |
+|-------------------------------|------|---------------------------------------------------------------|
+| GET  /canary/status           |      | config, totals, device counters, last violations, watchdog    |
+| GET  /canary/violations       |      | violations with id >= ``since`` (at most ``limit``), ``next`` |
+| POST /canary/sweep            | yes  | sweep every idle cached slot now; what it verified and found  |
+| GET  /canary/slots/{slot}     |      | the slot's decoded record and its owners, if known            |
+| GET  /canary/faults           | yes* | fault kinds and injections so far                             |
+| POST /canary/faults/{kind}    | yes* | inject a fault (body: probability, seed, warmup_steps, ...)   |
+| GET  /metrics                 |      | Prometheus text exposition of the registry                    |
+
+"auth": with ``AdminConfig.token`` set, the route needs ``Authorization: Bearer <token>`` (401
+without it or with another). "*": fault routes answer 403 unless ``AdminConfig.enable_faults``
+was set at start-up. Errors are JSON, ``{"error": {"message", "type", "code"}}`` once
+``install_error_handlers(app)`` ran (``{"detail": message}`` in a host app without them).
+
+An engine lends the routes an ``AdminTarget``: its canary, the lock it holds while it steps, and
+optional hooks (idle cached runs to sweep, slot owners, fault injection, recovery). It feeds
+every ``StepReport`` with violations or alarms to ``CanaryAdmin.record``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Body, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvcanary.core.record import CHAIN, FINGERPRINT, PAD_SLOT, POSITION, TOKEN, LaunchPoint, record_words
+from kvcanary.errors import CanaryViolation
+from kvcanary.runtime.canary import Canary, Recovery, StepReport
+from kvcanary.runtime.metrics import CanaryCollector
+from kvcanary.runtime.reporting import StepMeta, Violation
+from kvcanary.runtime.sweep import SweepRun
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """``token``: bearer token the mutating routes require (None: none). ``enable_faults``: serve
+    the fault-injection routes (refused otherwise). ``history``: violations kept for
+    ``/canary/violations`` (older ones are dropped and counted)."""
+
+    token: str | None = None
+    enable_faults: bool = False
+    history: int = 4096
+
+    def __post_init__(self):
+        if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
+            raise ValueError(f"AdminConfig.token must be a non-empty string or None, got {self.token!r}")
+        if type(self.history) is not int or self.history < 1:
+            raise ValueError(f"AdminConfig.history must be an int >= 1, got {self.history!r}")
+
+
+class AdminTarget:
+    """What an engine lends the admin routes. ``canary`` and ``lock`` are required; override the
+    rest as the engine can. Every method is called with ``lock`` held."""
+
+    def __init__(self, canary: Canary, lock: threading.RLock):
+        self.canary, self.lock = canary, lock
+
+    @property
+    def step_index(self) -> int:
+        """The engine's next step (names the step of an out-of-band sweep)."""
+        return 0
+
+    def canaries(self) -> list[Canary]:
+        """Every canary of the engine, one per KV pool, for the metrics (default: ``canary``)."""
+        return [self.canary]
+
+    def sweep_runs(self) -> Sequence[SweepRun]:
+        """Runs of idle cached slots to sweep (default: none)."""
+        return []
+
+    def slot_owners(self, slot: int) -> list[dict] | None:
+        """Who holds ``slot``: ``[{"request": id, "position": p}, {"prefix_cache": True, ...}]``; None: unknown."""
+        return None
+
+    def fault_kinds(self) -> list[str]:
+        return []
+
+    def inject_fault(self, kind: str, params: dict) -> dict:
+        """Arm fault ``kind`` with ``params``; returns what was armed. Raises ValueError or TypeError for bad params."""
+        raise ValueError("this engine cannot inject faults")
+
+    def injections(self) -> list[dict]:
+        return []
+
+    def recover(self, recovery: Recovery) -> None:
+        """Act on the recompute policy's ``Recovery`` found by an out-of-band sweep (default: nothing)."""
+
+    def engine_status(self) -> dict:
+        return {}
+
+
+class ViolationLog:
+    """The last ``capacity`` violations, each with an increasing id (thread-safe)."""
+
+    def __init__(self, capacity: int):
+        self._rows: deque[dict] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.next_id = 0
+
+    def add(self, violations: Sequence[Violation]) -> None:
+        with self._lock:
+            for v in violations:
+                self._rows.append({"id": self.next_id, **v.to_json()})
+                self.next_id += 1
+
+    def since(self, first_id: int, limit: int) -> tuple[list[dict], int, int]:
+        """(rows with id >= first_id, at most ``limit``; the id to ask for next; ids dropped before ``first_id``)."""
+        with self._lock:
+            oldest = self._rows[0]["id"] if self._rows else self.next_id
+            rows = [r for r in self._rows if r["id"] >= first_id][:limit]
+            nxt = rows[-1]["id"] + 1 if rows else max(first_id, oldest)
+            return rows, nxt, max(0, oldest - first_id)
+
+    def last(self, n: int) -> list[dict]:
+        with self._lock:
+            return list(self._rows)[-n:]
+
+
+Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <token>")]
+
+
+def _error(status: int, message: str) -> HTTPException:
+    return HTTPException(status_code=status, detail=message)
+
+
+class CanaryAdmin:
+    """The admin routes of one canary. ``registry``: where ``/metrics`` reads (default: a new
+    registry holding a ``CanaryCollector`` of the target's canary)."""
+
+    def __init__(self, target: AdminTarget, config: AdminConfig = AdminConfig(),
+                 registry: CollectorRegistry | None = None):
+        self.target, self.config = target, config
+        if registry is None:
+            registry = CollectorRegistry()
+            registry.register(CanaryCollector(target.canaries(), lock=target.lock))
+        self.registry = registry
+        self.log = ViolationLog(config.history)
+        self.alarms: list[dict] = []
+
+    # --- feeding -------------------------------------------------------------------------------
+
+    def record(self, report: StepReport) -> None:
+        """Keep the violations and watchdog alarms of a step report."""
+        self.log.add(report.violations)
+        launches = self.target.canary.counters()
+        for a in report.alarms:
+            self.alarms.append({"step": report.step, "point": a.point.name, "silent_steps": a.silent_steps,
+                                "window": a.window, "launches": launches[a.point.name]["launches"]})
+
+    # --- route bodies ----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        with self.target.lock:
+            c = self.target.canary
+            cfg, t, counters = c.config, c.totals, c.counters()
+            silent = sorted({a["point"] for a in self.alarms if counters[a["point"]]["launches"] == a["launches"]})
+            return {
+                "config": {"policy": cfg.policy.value, "real_kv": cfg.real_kv.name.lower(),
+                           "sweep_interval": cfg.sweep_interval, "sweep_budget_bytes": cfg.sweep_budget_bytes,
+                           "truth": cfg.truth, "ring_capacity": cfg.ring_capacity, "stats_period": cfg.stats_period,
+                           "pool": c.pool.name, "num_slots": c.geometry.num_slots, "device": c.geometry.device},
+                "admin": {"auth": self.config.token is not None, "faults_enabled": self.config.enable_faults},
+                "totals": {"steps": t.steps, "forwards": t.forwards, "sweeps": t.sweeps, "violations": t.violations,
+                           "by_reason": dict(t.by_reason), "by_launch_point": dict(t.by_launch_point),
+                           "recomputed_requests": t.recomputed_requests, "watchdog_alarms": t.watchdog_alarms,
+                           "seconds": t.seconds},
+                "counters": counters,
+                "last_violations": self.log.last(10),
+                "watchdog": {"window": cfg.watchdog_steps, "state": "alarm" if silent else "ok",
+                             "silent_points": silent, "alarms": self.alarms[-10:],
+                             "launches": {p.name: counters[p.name]["launches"] for p in LaunchPoint}},
+                "engine": self.target.engine_status(),
+            }
+
+    def sweep(self) -> dict:
+        """Sweep every idle cached run now (up to the sweep plan's capacity) and read the result at
+        once: the slots queued, the runs, and the violations found (recorded like any other)."""
+        t = self.target
+        with t.lock:
+            c = t.canary
+            if not c.config.enabled:
+                raise _error(409, "the canary is off (policy off); start with another policy to sweep")
+            runs = list(t.sweep_runs())
+            cached = sum(int(r.slots.numel()) for r in runs)
+            n = c.sweep(runs, budget_bytes=max(cached, 1) * c.entry_bytes())
+            owners = {int(s): r.start_position + i for r in runs for i, s in enumerate(r.slots.tolist())}
+            step = t.step_index
+            c.reporter.snapshot(StepMeta(step, sweep_slots=owners))
+            stopped = None
+            try:
+                report = c.flush(step)
+            except CanaryViolation as e:  # raise policy: report it, the engine decides what stops
+                report, stopped = StepReport(step, list(e.violations)), str(e)
+            self.record(report)
+            if report.recovery is not None:
+                t.recover(report.recovery)
+            return {"step": step, "runs": len(runs), "cached_slots": cached, "verified_slots": n,
+                    "violations": [v.to_json() for v in report.violations], "raised": stopped}
+
+    def slot(self, slot: int) -> dict:
+        with self.target.lock:
+            c = self.target.canary
+            n = c.geometry.num_slots
+            if not 0 <= slot < n:
+                raise _error(404, f"slot {slot} is outside the pool's slots [0, {n})")
+            w = [int(x) for x in record_words(c.canary[slot : slot + 1].cpu())[0].tolist()]
+            hexa = lambda x: f"0x{x & (2**64 - 1):016x}"
+            return {"slot": slot, "reserved": slot == PAD_SLOT, "stamped": any(w), "token": w[TOKEN],
+                    "position": w[POSITION], "chain": hexa(w[CHAIN]), "fingerprint": hexa(w[FINGERPRINT]),
+                    "owners": self.target.slot_owners(slot)}
+
+    def inject(self, kind: str, params: dict) -> dict:
+        with self.target.lock:
+            kinds = self.target.fault_kinds()
+            if kind not in kinds:
+                raise _error(404, f"unknown fault kind {kind!r}; choose from {', '.join(kinds)}")
+            try:
+                return self.target.inject_fault(kind, params)
+            except (ValueError, TypeError) as e:
+                raise _error(400, f"bad parameters for fault {kind!r}: {e}") from None
+
+    # --- the router ------------------------------------------------------------------------------
+
+    def _authorize(self, authorization: str | None) -> None:
+        token = self.config.token
+        if token is None:
+            return
+        if not authorization or not authorization.startswith("Bearer "):
+            raise HTTPException(401, "this route needs a bearer token: send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode()):
+            raise HTTPException(401, "the bearer token is not the one the server was started with",
+                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+
+    def _faults_allowed(self, authorization: str | None) -> None:
+        if not self.config.enable_faults:
+            raise _error(403, "fault injection is disabled; start the server with fault injection enabled "
+                              "(kv-canary serve --enable-faults)")
+        self._authorize(authorization)
+
+    def router(self, include_metrics: bool = True) -> APIRouter:
+        """The routes of the module table; ``include_metrics=False`` leaves ``/metrics`` to the host app."""
+        r = APIRouter()
+
+        @r.get("/canary/status")
+        def status() -> dict:
+            return self.status()
+
+        @r.get("/canary/violations")
+        def violations(since: Annotated[int, Query(ge=0, description="first violation id (the 'next' of the "
+                                                   "previous answer)")] = 0,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
+            rows, nxt, dropped = self.log.since(since, limit)
+            return {"violations": rows, "next": nxt, "dropped": dropped}
+
+        @r.post("/canary/sweep")
+        def sweep(authorization: Auth = None) -> dict:
+            self._authorize(authorization)
+            return self.sweep()
+
+        @r.get("/canary/slots/{slot}")
+        def slot(slot: Annotated[int, Path(description="slot index in the pool")]) -> dict:
+            return self.slot(slot)
+
+        @r.get("/canary/faults")
+        def faults(authorization: Auth = None) -> dict:
+            self._faults_allowed(authorization)
+            with self.target.lock:
+                return {"kinds": self.target.fault_kinds(), "injections": self.target.injections()}
+
+        @r.post("/canary/faults/{kind}")
+        def inject(kind: str, authorization: Auth = None,
+                   params: Annotated[dict | None, Body(description="fault parameters")] = None) -> dict:
+            self._faults_allowed(authorization)
+            return self.inject(kind, params or {})
+
+        if include_metrics:
+            @r.get("/metrics")
+            def metrics() -> Response:
+                return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return r
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          409: "conflict_error", 422: "invalid_request_error", 503: "unavailable_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer HTTP errors and request validation failures with ``error_body`` JSON."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        got = first.get("input")
+        message = f"{where}: {first.get('msg', 'invalid')}" + (f" (got {got!r})" if got is not None else "")
+        return JSONResponse(error_body(422, message, where or None), 422)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown routes
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+
+
+def admin_app(admin: CanaryAdmin) -> FastAPI:
+    """The admin routes served alone (bind it to 127.0.0.1: ``uvicorn.run(app, host="127.0.0.1")``)."""
+    app = FastAPI(title="kv-canary admin")
+    install_error_handlers(app)
+    app.include_router(admin.router())
+    return app

@@ -1,0 +1,253 @@
+"""Every admin route through FastAPI's TestClient on the served reference engine: status codes,
+auth, refusal of fault injection when disabled, bad input, and detection through the routes (a
+flipped idle cached slot found by POST /canary/sweep; an injected fault found by the engine)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.core.record import Half, LaunchPoint, Reason
+from kvcanary.engine.config import EngineConfig
+from kvcanary.faults.base import flip_bit
+from kvcanary.runtime.canary import Canary, PoolGeometry
+from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin, ViolationLog, admin_app
+from kvcanary.server.app import build_app
+from kvcanary.server.service import ServeConfig
+
+TOKEN = "t0ken-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _client(token: str | None = TOKEN, faults: bool = True, policy: Policy = Policy.LOG):
+    config = ServeConfig(engine=EngineConfig(num_slots=512, max_ctx=256, chunk_size=32, host_tier_slots=256),
+                         canary=CanaryConfig(policy=policy, sweep_interval=4),
+                         admin=AdminConfig(token=token, enable_faults=faults), request_timeout_s=60)
+    return TestClient(build_app(config))
+
+
+@pytest.fixture
+def client():
+    with _client() as c:
+        yield c
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(k),), generator=gen).tolist() for k in torch.randint(6, 30, (n,), generator=gen)]
+
+
+def _complete(client, prompt, max_tokens: int = 6):
+    r = client.post("/v1/completions", json={"model": "kv-canary-reference", "prompt": prompt,
+                                             "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _error(r, status: int, *fragments: str) -> None:
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    for f in fragments:
+        assert f in message, message
+
+
+def test_status_reports_config_totals_and_watchdog(client):
+    _complete(client, _prompts(2, 0))
+    s = client.get("/canary/status").json()
+    assert s["config"]["policy"] == "log" and s["config"]["sweep_interval"] == 4
+    assert s["admin"] == {"auth": True, "faults_enabled": True}
+    assert s["totals"]["steps"] >= 6 and s["totals"]["violations"] == 0 and s["last_violations"] == []
+    assert s["counters"]["HEAD"]["stamped"] > 0 and s["counters"]["HEAD"]["launches"] == s["engine"]["step"]
+    assert s["watchdog"]["state"] == "ok" and s["watchdog"]["window"] > 0 and s["engine"]["stopped"] is None
+
+
+def test_completions_text_and_token_ids(client):
+    out = _complete(client, "héllo, canary", 5)
+    assert out["object"] == "text_completion" and len(out["choices"]) == 1
+    assert out["usage"] == {"prompt_tokens": len("héllo, canary".encode()), "completion_tokens": 5,
+                            "total_tokens": len("héllo, canary".encode()) + 5}
+    assert out["choices"][0]["finish_reason"] == "length" and isinstance(out["choices"][0]["text"], str)
+    prompts = _prompts(3, 1)
+    out = _complete(client, prompts, 4)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 4 for c in out["choices"])
+    assert out["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    assert client.get("/v1/models").json()["data"][0]["id"] == "kv-canary-reference"
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    ({"prompt": ""}, 400, "prompt[0]: must be non-empty"),
+    ({"prompt": []}, 400, "prompt: must not be empty"),
+    ({"prompt": [3, 999]}, 400, "token ids in [0, 256)"),
+    ({"prompt": "x" * 300, "max_tokens": 4}, 400, "exceeds max_ctx (256)"),
+    ({"prompt": "hi", "stream": True}, 400, "stream"),
+    ({"prompt": "hi", "n": 2}, 400, "only n=1"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens: must be an int >= 1"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "'gpt-9' is not served here"),
+    ({"max_tokens": 3}, 422, "body.prompt"),
+])
+def test_completions_bad_input_is_4xx_json(client, body, status, fragment):
+    _error(client.post("/v1/completions", json=body), status, fragment)
+
+
+def test_sweep_needs_the_token(client):
+    _error(client.post("/canary/sweep"), 401, "needs a bearer token")
+    _error(client.post("/canary/sweep", headers={"Authorization": "Bearer nope"}), 401, "not the one")
+    _error(client.post("/canary/sweep", headers={"Authorization": TOKEN}), 401, "needs a bearer token")
+
+
+def test_sweep_clean_verifies_every_cached_slot(client):
+    _complete(client, _prompts(3, 2))
+    r = client.post("/canary/sweep", headers=AUTH)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["cached_slots"] > 0 and out["verified_slots"] == out["cached_slots"] and out["violations"] == []
+
+
+def test_sweep_finds_a_flipped_idle_cached_slot(client):
+    _complete(client, _prompts(3, 3))
+    service = client.app.state.service
+    with service.lock:
+        runs = service.sweep_runs()
+        slot = int(runs[0].slots[len(runs[0].slots) // 2])
+        flip_bit(service.engine, 0, Half.K, slot, 0, 1)  # inside the fingerprinted first 16 bytes of layer 0 K
+    out = client.post("/canary/sweep", headers=AUTH).json()
+    assert [(v["slot"], v["reasons"], v["launch_point"]) for v in out["violations"]] == [
+        (slot, ["fingerprint"], "SWEEP")]
+    rows = client.get("/canary/violations").json()["violations"]
+    assert [(r["id"], r["slot"], r["launch_point"]) for r in rows] == [(0, slot, "SWEEP")]
+    assert rows[0]["requests"][0]["request"] == "cache"
+    metrics = client.get("/metrics").text
+    assert 'kvcanary_violations_total{launch_point="SWEEP",pool="FULL",reason="fingerprint"} 1.0' in metrics
+    status = client.get("/canary/status").json()
+    assert status["totals"]["by_launch_point"] == {"SWEEP": 1} and status["last_violations"][0]["slot"] == slot
+
+
+def test_slot_route_decodes_the_record_and_owners(client):
+    prompt = _prompts(1, 4)[0]
+    _complete(client, [prompt], 4)
+    service = client.app.state.service
+    with service.lock:
+        run = service.sweep_runs()[0]
+        slot, position, token = int(run.slots[0]), run.start_position, run.token_ids[0]
+    out = client.get(f"/canary/slots/{slot}").json()
+    assert out["stamped"] and out["token"] == token and out["position"] == position and not out["reserved"]
+    assert out["chain"].startswith("0x") and len(out["chain"]) == 18
+    assert {"prefix_cache": True, "position": position, "locks": 0} in out["owners"]
+    zero = client.get("/canary/slots/0").json()
+    assert zero["reserved"] and not zero["stamped"]
+
+
+@pytest.mark.parametrize(("path", "status", "fragment"), [
+    ("/canary/slots/512", 404, "outside the pool's slots [0, 512)"),
+    ("/canary/slots/-1", 404, "slot -1 is outside"),
+    ("/canary/slots/abc", 422, "path.slot"),
+    ("/canary/violations?since=-1", 422, "query.since"),
+    ("/canary/violations?limit=0", 422, "query.limit"),
+    ("/canary/nothing", 404, "Not Found"),
+])
+def test_bad_admin_requests_are_4xx_json(client, path, status, fragment):
+    _error(client.get(path), status, fragment)
+
+
+def test_fault_routes_refused_when_not_enabled():
+    with _client(faults=False) as c:
+        _error(c.get("/canary/faults", headers=AUTH), 403, "fault injection is disabled")
+        _error(c.post("/canary/faults/used_slot_flip", headers=AUTH, json={}), 403, "fault injection is disabled")
+        assert c.get("/canary/status").json()["admin"]["faults_enabled"] is False
+
+
+@pytest.mark.parametrize(("kind", "body", "status", "fragment"), [
+    ("used_slot_flip", None, 401, "needs a bearer token"),
+    ("no_such_fault", {}, 404, "unknown fault kind 'no_such_fault'"),
+    ("used_slot_flip", {"probability": 2.0}, 400, "probability must be in [0, 1]"),
+    ("used_slot_flip", {"warmup_steps": -3}, 400, "warmup_steps must be an int >= 0"),
+    ("used_slot_flip", {"colour": "red"}, 400, "colour"),
+])
+def test_fault_injection_bad_requests(client, kind, body, status, fragment):
+    headers = AUTH if body is not None else {}
+    _error(client.post(f"/canary/faults/{kind}", headers=headers, json=body or {}), status, fragment)
+
+
+def test_injected_fault_is_reported_at_its_reason_and_launch_point(client):
+    _complete(client, _prompts(2, 5))
+    assert client.get("/canary/violations").json() == {"violations": [], "next": 0, "dropped": 0}
+    r = client.post("/canary/faults/used_slot_flip", headers=AUTH, json={"seed": 7})
+    assert r.status_code == 200, r.text
+    _complete(client, _prompts(2, 6), 8)
+    listing = client.get("/canary/faults", headers=AUTH).json()
+    assert "used_slot_flip" in listing["kinds"] and len(listing["injections"]) == 1
+    slot = listing["injections"][0]["slot"]
+    page = client.get("/canary/violations", params={"limit": 1}).json()
+    first = page["violations"][0]
+    assert (first["id"], first["slot"], first["reasons"], first["launch_point"]) == (0, slot, ["fingerprint"], "TAIL")
+    rest = client.get("/canary/violations", params={"since": page["next"]}).json()
+    assert all(v["id"] >= 1 and v["slot"] == slot for v in rest["violations"])
+
+
+def test_metrics_route_exposes_every_counter(client):
+    _complete(client, _prompts(1, 8))
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ("kvcanary_violations_total", "kvcanary_verified_slots_total", "kvcanary_stamped_slots_total",
+                 "kvcanary_sweeps_total", "kvcanary_verify_skipped_total", "kvcanary_recomputed_requests_total"):
+        assert f"# TYPE {name} counter" in r.text
+    assert 'kvcanary_violations_total{launch_point="HEAD",pool="FULL",reason="chain"} 0.0' in r.text
+
+
+def test_no_token_configured_lets_sweeps_through():
+    with _client(token=None, faults=False) as c:
+        assert c.post("/canary/sweep").status_code == 200
+        assert c.get("/canary/status").json()["admin"]["auth"] is False
+
+
+def test_sweep_with_the_canary_off_is_409():
+    with _client(policy=Policy.OFF) as c:
+        _error(c.post("/canary/sweep", headers=AUTH), 409, "the canary is off")
+
+
+def test_raise_policy_stops_the_engine_and_fails_requests_with_503():
+    with _client(policy=Policy.RAISE) as c:
+        _complete(c, _prompts(1, 9))
+        assert c.post("/canary/faults/used_slot_flip", headers=AUTH, json={}).status_code == 200
+        _error(c.post("/v1/completions", json={"prompt": _prompts(1, 10), "max_tokens": 8}), 503,
+               "the engine stopped", "KV-cache violation")
+        status = c.get("/canary/status").json()
+        assert "KV-cache violation" in status["engine"]["stopped"]
+        assert status["last_violations"][0]["reasons"] == ["fingerprint"]
+        _error(c.post("/v1/completions", json={"prompt": "again", "max_tokens": 2}), 503, "the engine stopped")
+
+
+def test_admin_served_alone_on_a_bare_canary():
+    canary = Canary(CanaryConfig(), PoolGeometry(64, 4, 32))
+    admin = CanaryAdmin(AdminTarget(canary, threading.RLock()), AdminConfig())
+    with TestClient(admin_app(admin)) as c:
+        assert c.get("/canary/status").json()["totals"]["steps"] == 0
+        assert c.post("/canary/sweep").json()["verified_slots"] == 0
+        assert c.get("/canary/slots/3").json()["owners"] is None
+        _error(c.get("/canary/slots/64"), 404, "[0, 64)")
+        assert "kvcanary_stamped_slots_total 0.0" in c.get("/metrics").text
+
+
+def test_violation_log_pages_and_counts_dropped_rows():
+    from kvcanary.core.record import LaunchTag
+    from kvcanary.runtime.reporting import Violation
+
+    log = ViolationLog(3)
+    log.add([Violation(s, LaunchTag(LaunchPoint.HEAD), Reason.CHAIN, 10 + s, s, 1, -1, 2, 3) for s in range(5)])
+    rows, nxt, dropped = log.since(0, 10)
+    assert [r["id"] for r in rows] == [2, 3, 4] and nxt == 5 and dropped == 2
+    rows, nxt, dropped = log.since(3, 1)
+    assert [r["slot"] for r in rows] == [13] and nxt == 4 and dropped == 0
+    assert log.since(5, 10) == ([], 5, 0)
+
+
+def test_admin_config_validates():
+    with pytest.raises(ValueError, match="AdminConfig.token must be a non-empty string"):
+        AdminConfig(token=" ")
+    with pytest.raises(ValueError, match="AdminConfig.history must be an int >= 1"):
+        AdminConfig(history=0)
