@@ -1,22 +1,26 @@
 """Reference engine throughput with the canary on vs off, interleaved runs of one workload.
 
-    python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH]
+    python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH] [--cuda-graph]
 
 Each repeat runs the same seeded workload once with the canary off and once per canary mode
 (log policy), alternating, and reports generated tokens per second; the ratio on/off is the
-figure. Every canary run must report zero violations (a clean workload).
+figure. Every canary run must report zero violations (a clean workload). ``--cuda-graph`` runs
+decode steps as CUDA-graph replays (``EngineConfig.cuda_graph``), the canary captured with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+from kvcanary.bench.timing import environment
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.config import EngineConfig, ModelConfig
@@ -33,10 +37,21 @@ def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
                                            generator=g).tolist() for i in range(n)]
 
 
-def run_once(mode: str, device: str, prompts, max_new: int) -> dict:
+def engine_options(cuda_graph: bool) -> dict:
+    """EngineConfig options for graph-captured decode; a clear error where the engine has none."""
+    if not cuda_graph:
+        return {}
+    if "cuda_graph" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        sys.exit("--cuda-graph: this EngineConfig has no cuda_graph field (this engine has no graph-captured "
+                 "decode); run without --cuda-graph")
+    return {"cuda_graph": True}
+
+
+def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:
     mc = ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
                      intermediate=768)
-    ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device)
+    ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device,
+                      **options)
     if MODES[mode] is None:
         engine, hooks = Engine(mc, ec), None
     else:
@@ -57,26 +72,31 @@ def run_once(mode: str, device: str, prompts, max_new: int) -> dict:
             "canary_seconds": hooks.canary.totals.seconds if hooks else 0.0}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="none,partial,all")
+    ap.add_argument("--cuda-graph", action="store_true", help="decode steps as CUDA-graph replays (CUDA only)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
                     else None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.cuda_graph and args.device != "cuda":
+        sys.exit(f"--cuda-graph needs --device cuda, got --device {args.device}")
+    options = engine_options(args.cuda_graph)
     torch.set_num_threads(1)
     prompts = workload(512, args.requests)
     modes = ["off", *args.modes.split(",")]
-    run_once("off", args.device, prompts[:4], 4)  # warm-up (kernel compiles)
-    for m in modes[1:]:
-        run_once(m, args.device, prompts[:4], 4)
-    runs = [run_once(m, args.device, prompts, args.max_new_tokens) for _ in range(args.repeats) for m in modes]
+    for m in modes:  # warm-up (kernel compiles, graph captures)
+        run_once(m, args.device, prompts[:4], 4, options)
+    runs = [run_once(m, args.device, prompts, args.max_new_tokens, options) for _ in range(args.repeats)
+            for m in modes]
     off = statistics.median(r["tok_per_s"] for r in runs if r["mode"] == "off")
-    print(f"device {args.device}; {args.requests} requests x {args.max_new_tokens} new tokens; "
-          f"{args.repeats} interleaved repeats; median tokens/s")
+    env = environment(torch.device(args.device))
+    print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
+          f"{args.repeats} interleaved repeats; cuda graph {'on' if args.cuda_graph else 'off'}; median tokens/s")
     print(f"{'mode':8} {'tok/s':>9} {'on/off':>7} {'canary share':>12} {'violations':>10}")
     summary = []
     for m in modes:
@@ -88,7 +108,8 @@ def main() -> None:
         print(f"{m:8} {tps:9.1f} {tps / off:7.3f} {share:12.3f} {viol:10d}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "runs": runs, "summary": summary}, f, indent=1)
+            json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph, "runs": runs,
+                       "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

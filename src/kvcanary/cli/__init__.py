@@ -7,11 +7,18 @@
                      positive
     kv-canary soak   the reference engine clean for a token budget with every mechanism the canary
                      guards exercised; exit 1 when one was never exercised or a violation was reported
+    kv-canary serve  the reference engine behind an OpenAI-compatible /v1/completions, with the
+                     canary's admin routes and Prometheus /metrics (needs the server extra)
+    kv-canary report a run's JSON report as a self-contained HTML incident page and a PNG timeline
+    kv-canary bench  kernel microbenchmarks (ops) and the overhead study (overhead), each beside
+                     its bandwidth floor measured in the same run; table last, optional JSON
+
+``kv-canary --log-json COMMAND`` logs JSON lines instead of plain ones.
 
 Configuration is built here, from the options, and passed down frozen.
 """
 
-from kvcanary.cli import demo, run, soak  # noqa: F401  (each module registers its command)
+from kvcanary.cli import bench, demo, report, run, serve, soak  # noqa: F401  (each module registers its command)
 from kvcanary.cli._app import app
 
 
