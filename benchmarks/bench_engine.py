@@ -44,7 +44,7 @@ def engine_options(cuda_graph: bool) -> dict:
     if "cuda_graph" not in {f.name for f in dataclasses.fields(EngineConfig)}:
         sys.exit("--cuda-graph: this EngineConfig has no cuda_graph field (this engine has no graph-captured "
                  "decode); run without --cuda-graph")
-    return {"cuda_graph": True}
+    return {"cuda_graph": True, "graph_batch_sizes": (1, 2, 4, 8, 16, 24, 32)}
 
 
 def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:

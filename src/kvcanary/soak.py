@@ -115,7 +115,7 @@ def run_soak(engine: Engine, hooks: CanaryHooks, workload: Workload,
         tick += 1
         if progress is not None:
             progress(result.generated_tokens)
-    hooks.canary.flush(engine.step_index)
+    hooks.flush(engine.step_index)
     totals = hooks.canary.totals
     result.requests, result.steps = num_added, stats.num_steps
     result.generated_tokens = sum(len(engine.requests[r].output_ids) for r in engine.requests)
@@ -126,6 +126,7 @@ def run_soak(engine: Engine, hooks: CanaryHooks, workload: Workload,
                          "preemptions": stats.num_preemptions, "sweeps": totals.sweeps}
     counters = hooks.canary.counters()
     result.violations = max(counters["ring_total"], totals.violations)
+    result.violations += (hooks.window_report() or {}).get("violations", 0)  # the sliding-window pool's
     result.protected_slots = counters["HEAD"]["stamped"]
     result.verified_slots = sum(counters[p]["checked"] for p in ("HEAD", "TAIL", "SWEEP"))
     result.by_reason = dict(sorted(totals.by_reason.items()))

@@ -60,6 +60,12 @@ class RecordingHooks(EngineHooks):
         if self.on_before is not None:
             self.on_before(batch)
 
+    def forward_prologue(self, batch: ForwardBatch) -> None:
+        self.events.append(("forward_prologue", (batch,)))
+
+    def forward_epilogue(self, batch: ForwardBatch) -> None:
+        self.events.append(("forward_epilogue", (batch,)))
+
     def after_forward(self, batch: ForwardBatch) -> None:
         self.events.append(("after_forward", (batch,)))
 

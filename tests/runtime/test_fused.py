@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload
 from kvcanary.faults.campaign import default_faults, judge, run_once
@@ -14,7 +15,9 @@ from kvcanary.ops._common import HAS_TRITON
 
 from ._helpers import small_setup
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the fused path runs on it: "
+                                 "tests/e2e/test_cuda.py and tests/engine/test_cuda_graph.py")]
 
 PER_FORWARD = ("page_table_repoint", "used_slot_flip", "stale_slot_reuse")
 

@@ -66,7 +66,7 @@ def alarms_of(hooks):
 def test_fires_when_head_and_tail_are_bypassed():
     setup = small_setup(sweep_interval=4)
     window = setup.canary.watchdog_steps
-    hooks = run_with_bypass(setup, 20, "head", "tail")
+    hooks = run_with_bypass(setup, 20, "launch_head", "tail")
     alarms = alarms_of(hooks)
     assert sorted(p for _, p in alarms) == [LaunchPoint.HEAD, LaunchPoint.TAIL]
     assert all(s == 20 + window for s, _ in alarms), (alarms, window)
@@ -74,7 +74,7 @@ def test_fires_when_head_and_tail_are_bypassed():
 
 
 def test_fires_for_head_alone():
-    hooks = run_with_bypass(small_setup(sweep_interval=0, engine=NO_HOST_TIER), 20, "head")
+    hooks = run_with_bypass(small_setup(sweep_interval=0, engine=NO_HOST_TIER), 20, "launch_head")
     assert [p for _, p in alarms_of(hooks)] == [LaunchPoint.HEAD]
 
 
@@ -89,7 +89,7 @@ def test_fires_when_sweeps_stop_after_running():
 def test_raises_under_raise_policy():
     setup = small_setup(policy=Policy.RAISE, sweep_interval=0, engine=NO_HOST_TIER)
     with pytest.raises(WatchdogTimeout, match="point=HEAD"):
-        run_with_bypass(setup, 10, "head", "tail")
+        run_with_bypass(setup, 10, "launch_head", "tail")
 
 
 @pytest.mark.parametrize("sweep_interval, engine", [(4, None), (0, NO_HOST_TIER)])

@@ -35,14 +35,20 @@ from kvcanary.cli._app import (
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.engine.zoo import CATALOGUE, Bug
-from kvcanary.faults import FAULTS
+from kvcanary.faults import FAULTS, PD_FAULTS, WINDOW_FAULTS
 from kvcanary.faults.campaign import Verdict, run_campaign
+from kvcanary.faults.pd_campaign import run_pd_campaign
 from kvcanary.faults.zoo_campaign import run_zoo, zoo_cases
 from kvcanary.ops.fingerprint import FingerprintMode
 
+# the window and transfer runs need this much traffic: a stale transfer lands only on a slot freed and reused
+SPLIT_MIN_REQUESTS = 16
+
 
 @app.command(help="Self-test: a clean run, then one run per fault kind, then one run per real-bug zoo switch "
-                  "(kvcanary.engine.zoo), each checked for the expected reason and launch point. Exit status 1 when a "
+                  "(kvcanary.engine.zoo), then the sliding-window faults on --model hybrid-swa and the transfer faults "
+                  "on a prefill/decode split (each with its own clean run), each checked for the expected reason and "
+                  "launch point (transfer faults on the decode side, the prefill side silent). Exit status 1 when a "
                   "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
                   "run reported anything.")
 def demo(
@@ -60,6 +66,12 @@ def demo(
                                       "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
     zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
                                               "workload.")] = 32,
+    window_faults: Annotated[str, typer.Option("--window-faults", help="Comma-separated sliding-window fault kinds, "
+                                               "run on --model hybrid-swa (empty: none).")] = ",".join(WINDOW_FAULTS),
+    pd_faults: Annotated[str, typer.Option("--pd-faults", help="Comma-separated transfer fault kinds, run on a "
+                                           "prefill/decode split (empty: none).")] = ",".join(PD_FAULTS),
+    pd_warmup: Annotated[int, typer.Option("--pd-warmup", min=0, help="Decode-engine steps before each transfer "
+                                           "fault may act.")] = 8,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     threads: Threads = None,
     verbose: Verbose = False,
@@ -72,6 +84,8 @@ def demo(
     if unknown:
         raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}",
                                  param_hint="--faults")
+    window_names = _names(window_faults, WINDOW_FAULTS, "--window-faults")
+    pd_names = _names(pd_faults, PD_FAULTS, "--pd-faults")
     bug_names = [b.strip() for b in bugs.split(",") if b.strip()]
     unknown = [b for b in bug_names if b not in {x.value for x in Bug}]
     if unknown:
@@ -83,8 +97,13 @@ def demo(
     zoo_workload = WorkloadConfig(num_requests=zoo_requests, max_new_tokens=max_new_tokens, seed=seed,
                                   vocab_size=setup.model.vocab_size)
     cases = zoo_cases(setup.model, canary, zoo_workload, device.value, [Bug(b) for b in bug_names])
+    split_model = ModelSize.tiny if model is ModelSize.hybrid_swa else model
+    split_requests = max(requests, SPLIT_MIN_REQUESTS)
+    window_setup = make_setup(split_requests, max_new_tokens, seed, ModelSize.hybrid_swa, device, canary)
+    pd_setup = make_setup(split_requests, max_new_tokens, seed, split_model, device, canary)
+    num_split = (1 + len(window_names) if window_names else 0) + (1 + len(pd_names) if pd_names else 0)
     with progress_bar() as progress:
-        runs = progress.add_task("runs", total=1 + len(names) + len(cases))
+        runs = progress.add_task("runs", total=1 + len(names) + len(cases) + num_split)
 
         def per_run(label: str, total: int):
             if label != "clean":
@@ -94,18 +113,29 @@ def demo(
         result = run_campaign(setup, names, seed=seed, warmup_steps=warmup,
                               progress=lambda label: per_run(label, setup.workload.num_requests))
         zoo = run_zoo(cases, progress=lambda label: per_run(label, zoo_requests))
+        window = pd = None
+        if window_names:
+            window = run_campaign(window_setup, window_names, seed=seed, warmup_steps=warmup, pending=(),
+                                  progress=lambda label: per_run(f"hybrid-swa {label}", split_requests))
+        if pd_names:
+            pd = run_pd_campaign(pd_setup, pd_names, seed=seed, warmup_steps=pd_warmup,
+                                 progress=lambda label: per_run(label, split_requests))
         progress.advance(runs)
     _print_fault_table(result)
     if zoo:
         _print_zoo_table(zoo)
+    if window is not None or pd is not None:
+        _print_split_table(window, pd)
     zoo_passed = all(v.detected and v.false_positives == 0 for v in zoo)
-    passed = result.passed and zoo_passed
+    split_verdicts = [*(window.verdicts if window else []), *(pd.verdicts if pd else [])]
+    passed = (result.passed and zoo_passed and (window is None or window.passed) and (pd is None or pd.passed))
     if json_path is not None:
         out = result.to_json()
-        out |= {"zoo": [v.to_json() for v in zoo], "zoo_passed": zoo_passed, "passed": passed}
+        out |= {"zoo": [v.to_json() for v in zoo], "zoo_passed": zoo_passed, "passed": passed,
+                "window": window.to_json() if window else None, "pd": pd.to_json() if pd else None}
         json_path.write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"results written to {json_path}", highlight=False)
-    if not all(v.injected for v in result.verdicts):
+    if not all(v.injected for v in [*result.verdicts, *split_verdicts]):
         console.print("a fault never acted: the run ended before --warmup steps or offered no target; raise "
                       "--requests or lower --warmup", highlight=False)
     if not all(v.injected for v in zoo):
@@ -115,6 +145,33 @@ def demo(
                   else "[red]self-test failed[/]")
     if not passed:
         raise typer.Exit(1)
+
+
+def _names(text: str, known: dict, option: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(known)}", param_hint=option)
+    return names
+
+
+def _print_split_table(window, pd) -> None:
+    """Sliding-window faults on hybrid-swa and transfer faults on the prefill/decode split, each
+    after its clean run (for the split: violations on the prefill / decode side)."""
+    table = Table(title="kv-canary demo: sliding-window pool (hybrid-swa) and prefill/decode split",
+                  title_justify="left")
+    for col in ("fault", "expected", "first detection", "detected", "steps to detection", "false positives"):
+        table.add_column(col)
+    for label, res in (("hybrid-swa", window), ("prefill/decode", pd)):
+        if res is None:
+            continue
+        n = res.clean_violations
+        table.add_row(f"(none: clean {label} run)", "no violation", f"{n} violations",
+                      "[green]ok[/]" if n == 0 else "[red]FALSE POSITIVES[/]", "-", str(n))
+        for v in res.verdicts:
+            table.add_row(v.fault, v.expected, v.first_detection or "-", _status(v, "NOT INJECTED"),
+                          "-" if v.steps_to_detection is None else str(v.steps_to_detection), str(v.false_positives))
+    console.print(table)
 
 
 def _status(v: Verdict, not_acted: str) -> str:

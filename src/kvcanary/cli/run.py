@@ -77,6 +77,8 @@ def build_report(setup: RunSetup, out: RunOutcome) -> dict:
                    "engine": {k: getattr(setup.engine, k) for k in ("num_slots", "max_ctx", "chunk_size",
                                                                     "max_running", "host_tier_slots")}},
         "first_violations": [v.to_json() for v in out.violations[:20]],
+        "timeline": out.timeline,
+        "window_pool": out.hooks.window_report(),  # None without sliding-window layers
     }
 
 
@@ -100,6 +102,7 @@ def _print_summary(report: dict) -> None:
                               f"{report['step_seconds']:.2f} s stepping)"),
         ("violations", report["violations"]),
     ]
+    rows += _split_rows(report)
     for name, value in rows:
         table.add_row(name, str(value))
     if report["violations"]:
@@ -110,6 +113,23 @@ def _print_summary(report: dict) -> None:
     console.print(table)
     if report["stopped"]:
         console.print(f"[bold red]stopped:[/] {report['stopped']}", markup=True, highlight=False)
+
+
+def _split_rows(report: dict) -> list[tuple[str, object]]:
+    """Rows of a sliding-window model's window pool and of a prefill/decode split, when present."""
+    rows: list[tuple[str, object]] = []
+    win = report.get("window_pool")
+    if win:
+        rows += [(f"window pool (W={win['window']}, {win['window_slots']} slots)",
+                  f"{win['translated_positions']} translated / {win['slid_out_positions']} slid out / "
+                  f"{win['reused_window_slots']} reused"),
+                 ("  window checks / violations", f"{win['verified_slots']} / {win['violations']}")]
+    if "transfer" in report:
+        t = report["transfer"]
+        rows += [("transferred requests / slots", f"{t['requests']} / {t['slots']}"),
+                 ("violations prefill / decode", f"{report['prefill']['violations']} / "
+                                                 f"{report['decode']['violations']}")]
+    return rows
 
 
 class EngineName(str, enum.Enum):
@@ -144,7 +164,8 @@ def run(
                                                     f"{', '.join(FAULTS)}.")] = None,
     fault_warmup: Annotated[int, typer.Option("--fault-warmup", min=0, help="Steps before a fault may "
                                               "act.")] = 24,
-    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here, and an HTML "
+                                                 "incident report with a PNG timeline next to it.")] = None,
     engine: Annotated[EngineName, typer.Option("--engine", help="reference: the embedded engine; transformers: "
                                                "Hugging Face transformers continuous batching with a tiny "
                                                "random Llama (kvcanary.adapters.transformers).")] = (
@@ -191,5 +212,13 @@ def run(
     if report is not None:
         report.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"report written to {report}", highlight=False)
+        from kvcanary.incident import write_incident
+
+        page = report.with_suffix(".html") if report.suffix != ".html" else report.with_name(report.name + ".html")
+        try:
+            write_incident(result, page, title=f"kv-canary run: {report.name}")
+            console.print(f"incident report written to {page}", highlight=False)
+        except ImportError:  # matplotlib comes with the server extra
+            console.print("no HTML incident report: install kv-canary[server] for matplotlib", highlight=False)
     if result["violations"] or result["watchdog_alarms"] or result["stopped"]:
         raise typer.Exit(1)

@@ -9,16 +9,24 @@ Queries are padded to ``[bs, max_extend]`` and keys to ``[bs, max_len]`` (``max_
 | token t            | request ``token_req[t]``, column ``token_col[t]``    |
 | key j of request r | slot ``req_to_token[row_r, j]`` for ``j < seq_len_r``, slot 0 (masked) beyond |
 | query t may see j  | ``j <= positions[t]`` and ``j < seq_len_r``          |
+
+A sliding-window layer (window W) reads only keys ``j > positions[t] - W``, so request r reads
+``j >= prefix_len_r - W + 1``; its slots are the window slots ``lut[req_to_token[row_r, j]]``
+and its new K/V goes to ``lut[out_cache_loc]`` (``attention_inputs`` builds both).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcanary.engine.grid import to_grid
 from kvcanary.runtime.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from kvcanary.engine.pool import KVPoolBase
 
 
 @dataclass(frozen=True)
@@ -30,22 +38,49 @@ class AttentionLayout:
     mask: torch.Tensor  # bool[bs, max_extend, max_len]
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> AttentionLayout:
+    def from_batch(cls, batch: ForwardBatch, window: int = 0, lut: torch.Tensor | None = None,
+                   max_len: int | None = None) -> AttentionLayout:
+        """The layout of ``batch``; with ``window`` > 0 a sliding-window layer's, whose slots are
+        translated through ``lut`` (int64[num_slots], full slot -> window slot). ``max_len``: a
+        fixed key width (>= every sequence) for a decode batch (one token per request), which
+        makes the layout free of host syncs (CUDA-graph capture)."""
         ext, device = batch.extend_lens, batch.input_ids.device
         bs, num_tokens = batch.batch_size, batch.num_tokens
         seq_lens = batch.prefix_lens + ext
-        max_extend, max_len = int(ext.max()), int(seq_lens.max())
-        token_req = torch.repeat_interleave(torch.arange(bs, device=device), ext)
+        if max_len is None:
+            max_extend, max_len = int(ext.max()), int(seq_lens.max())
+        else:
+            max_extend = 1
+        token_req = torch.repeat_interleave(torch.arange(bs, device=device), ext, output_size=num_tokens)
         starts = torch.cumsum(ext, 0) - ext
         token_col = torch.arange(num_tokens, device=device) - starts[token_req]
         cols = torch.arange(max_len, device=device)
         key_valid = cols[None, :] < seq_lens[:, None]
+        if window:
+            key_valid &= cols[None, :] > (batch.prefix_lens - window)[:, None]
         rows = batch.req_to_token[batch.req_pool_indices, :max_len].to(torch.int64)
+        if lut is not None:
+            rows = lut[rows]
         key_slots = torch.where(key_valid, rows, 0)
         query_pos = (seq_lens - 1)[:, None].repeat(1, max_extend)  # padding queries see every key
         query_pos[token_req, token_col] = batch.positions
         mask = (cols[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
+        if window:
+            mask &= cols[None, None, :] > query_pos[:, :, None] - window
         return cls(token_req, token_col, key_slots, key_valid, mask)
+
+
+def attention_inputs(batch: ForwardBatch, pool: KVPoolBase, num_layers: int, max_len: int | None = None) -> list[
+        tuple[AttentionLayout, torch.Tensor]]:
+    """Per layer: the layout it reads and the slots it writes its new K/V to (``out_cache_loc``
+    for a full-attention layer, ``lut[out_cache_loc]`` for a sliding-window layer); ``max_len``
+    as in ``AttentionLayout.from_batch``."""
+    full = (AttentionLayout.from_batch(batch, max_len=max_len), batch.out_cache_loc)
+    window = pool.window
+    if window is None:
+        return [full] * num_layers
+    swa = (AttentionLayout.from_batch(batch, window.window, window.lut, max_len), window.lut[batch.out_cache_loc])
+    return [swa if layer in window.layers else full for layer in range(num_layers)]
 
 
 def paged_attention(

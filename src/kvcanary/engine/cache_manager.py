@@ -3,6 +3,14 @@
 It gives a request its row and cached prefix (``admit``), grows its slots (``reserve``) and
 takes everything back (``release``), evicting from the prefix cache (offloading to the host
 tier when there is one) whenever the free list is short.
+
+With a window pool (sliding-window layers), ``reserve`` gives the positions about to be written
+a window slot. Window slots are taken back lazily, when the window pool is short: first the
+positions that slid out of a running request's window (older than ``num_cached - window``; the
+latest first, so prompts, where prefixes are shared, keep theirs longest), then those of
+prefix-cache nodes no request reads (their full K/V stays cached). The host tier carries window
+K/V too. A cached prefix is reused only up to a length whose last ``window`` positions have
+window K/V (after load-back); the rest is recomputed.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ class CacheManager:
         self.pool, self.tree, self.host_tier, self.stats = pool, tree, host_tier, stats
         self.zoo = zoo if zoo is not None else Zoo()
         self.page_size = pool.page_size
+        self._window_users: dict[int, Request] = {}  # request id -> request holding own window slots
 
     def evict(self, num_slots: int) -> int:
         """Evict at least ``num_slots`` unlocked prefix-cache slots if possible; returns the number freed.
@@ -52,14 +61,42 @@ class CacheManager:
             self.evict(short)
         return self.pool.alloc(num_slots)
 
+    def _window_prefix(self, node: RadixNode, on_host: bool = False) -> int:
+        """The longest page-aligned prefix length P <= ``node.end`` whose positions
+        ``[P - window, P)`` have window K/V: in window slots, or (``on_host``) in host rows that
+        hold it and come back with a load. A sliding-window layer reads them."""
+        window, pool, ps = self.pool.window, self.pool, self.page_size
+        flags = [pool.host_has_window[n.host_rows] if n.is_on_host and on_host
+                 else torch.zeros(len(n.key), dtype=torch.bool) if n.is_on_host
+                 else window.translate(n.slots) != 0 for n in node.path()]
+        if not flags:
+            return 0
+        missing = torch.nonzero(~torch.cat(flags)).flatten().tolist()
+        for end in range(node.end // ps * ps, 0, -ps):
+            # the last missing position before ``end`` must lie before the window
+            before = [m for m in missing if m < end]
+            if not before or before[-1] < end - window.window:
+                return end
+        return 0
+
+    def _rematch(self, node: RadixNode, tokens: list[int], length: int) -> tuple[RadixNode, int]:
+        """Unlock ``node`` and lock the prefix of ``tokens`` of ``length`` instead (splitting a node)."""
+        self.tree.unlock(node)
+        node, length = self.tree.match(tokens[:length])
+        self.tree.lock(node)
+        return node, length
+
     def _match_and_lock(self, tokens: list[int]) -> tuple[RadixNode | None, int]:
         """Lock the longest cached prefix of ``tokens`` that leaves at least one token to compute,
-        loading host nodes back to the device; stops before a node that cannot be loaded."""
+        loading host nodes back to the device; stops before a node that cannot be loaded. With a
+        window pool, cut where the window K/V before the cut is resident (after the loads)."""
         if self.tree is None:
             return None, 0
         limit = (len(tokens) - 1) // self.page_size * self.page_size
         node, length = self.tree.match(tokens[:limit])
         self.tree.lock(node)  # protects the path (host nodes too) from eviction while loading
+        if self.pool.window is not None and (cut := self._window_prefix(node, on_host=True)) < length:
+            node, length = self._rematch(node, tokens, cut)
         for n in node.path():
             if not n.is_on_host:
                 continue
@@ -68,9 +105,12 @@ class CacheManager:
                 self.tree.unlock(node)
                 node = n.parent
                 self.tree.lock(node)
-                return node, node.end
+                length = node.end
+                break
             self.host_tier.load(n, slots)
             self.stats.num_loaded_slots += slots.numel()
+        if self.pool.window is not None and (cut := self._window_prefix(node)) < length:
+            node, length = self._rematch(node, tokens, cut)  # a load found the window pool short
         return node, length
 
     def admit(self, req: Request) -> bool:
@@ -90,18 +130,61 @@ class CacheManager:
         """Make positions ``[0, num_tokens)`` of ``req`` have slots; False (nothing taken) if memory
         is short even after eviction."""
         need = -(-num_tokens // self.page_size) * self.page_size - req.capacity
-        if need <= 0:
-            return True
-        slots = self.alloc_slots(need)
-        if slots is None:
+        slots = self.alloc_slots(need) if need > 0 else None  # evicting first: freed slots free window slots
+        if need > 0 and slots is None:
             return False
+        window = self.pool.window
+        if window is not None:
+            self._window_users[req.request_id] = req
+            num_new = max(need, 0) + window.num_unmapped(req.slots[req.num_cached : num_tokens])
+            if not self._free_window_slots(num_new):
+                if slots is not None:
+                    self.pool.free(slots)
+                return False
+        if slots is not None:
+            self._extend(req, slots)
+        if window is not None:
+            mapped = window.map(req.slots[req.num_cached : num_tokens])
+            assert mapped, f"window pool short after checking: {window.num_free_slots} free"
+        return True
+
+    def _free_window_slots(self, num_slots: int) -> bool:
+        """At least ``num_slots`` free window slots: take back the slid-out positions of running
+        requests, then the window slots of prefix-cache nodes no request reads (least recently used
+        first); False if still short."""
+        window = self.pool.window
+        if window.num_free_slots >= num_slots:
+            return True
+        # slid-out own positions of running requests, latest first: the earlier ones (prompts, where
+        # prefixes are shared) keep their window slots longest
+        positions, slots = [], []
+        for req in self._window_users.values():
+            end = req.num_cached - window.window
+            if end > req.num_prefix_cached:
+                positions.append(torch.arange(req.num_prefix_cached, end))
+                slots.append(req.slots[req.num_prefix_cached : end])
+        if slots:
+            positions, slots = torch.cat(positions), torch.cat(slots)
+            mapped = window.translate(slots) != 0
+            order = torch.argsort(positions[mapped], descending=True, stable=True)
+            window.unmap(slots[mapped][order][: num_slots - window.num_free_slots], slid=True)
+        if window.num_free_slots >= num_slots or self.tree is None:
+            return window.num_free_slots >= num_slots
+        idle = [n for n in self.tree.nodes() if n.lock_count == 0 and not n.is_on_host]
+        for node in sorted(idle, key=lambda n: n.last_access):
+            if window.num_free_slots >= num_slots:
+                break
+            window.unmap(node.slots, dropped=True)
+        return window.num_free_slots >= num_slots
+
+    def _extend(self, req: Request, slots: torch.Tensor) -> None:
+        need = slots.numel()
         self.pool.req_to_token[req.row, req.capacity : req.capacity + need] = slots.to(
             self.pool.device, torch.int32
         )
         if Bug.PREFIX_PAGE_OFF_BY_ONE in self.zoo and req.capacity == req.num_prefix_cached == self.page_size:
             self._continue_last_prefix_page(req, int(slots[0]))
         req.slots = torch.cat([req.slots, slots])
-        return True
 
     def _continue_last_prefix_page(self, req: Request, own_slot: int) -> None:
         """Zoo (``Bug.PREFIX_PAGE_OFF_BY_ONE``): a one-page prefix is taken for a page with room
@@ -138,6 +221,7 @@ class CacheManager:
             self.pool.free(req.slots[own_start:])
         if self.tree is not None and req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
+        self._window_users.pop(req.request_id, None)
         self.pool.free_row(req.row)
         req.reset_cache_state()
 

@@ -1,38 +1,77 @@
 """Wire a Canary into the reference engine through its public hooks, as any engine would.
 
-HEAD runs in ``before_forward`` (after a sweep when one is due), TAIL and the step's report in
-``after_forward``, so on the CPU a violation is known before the step samples: under the
-recompute policy the affected requests are retracted there and produce no token from the
-corrupted forward. Offload and load-back move the records with the K/V rows.
+HEAD is fed in ``before_forward`` (after a sweep when one is due: the token-truth scatter) and
+launched in ``forward_prologue``, TAIL launched in ``forward_epilogue`` (both captured with the
+model under CUDA graphs), the step's report in ``after_forward``, so on the CPU a violation is
+known before the step samples: under the recompute policy the affected requests are retracted
+there and produce no token from the corrupted forward. Offload and load-back move the records with the K/V rows.
+
+A model with sliding-window layers gets a second Canary for the window pool
+(``PoolKind.SWA``, its window): it reads the batch through the pool's full-slot -> window-slot
+table (``ForwardBatch.slot_lut``), so HEAD verifies only the last ``window`` positions of each
+prefix and stamps through the table, and its sweeps see only cached slots that still hold a
+window slot. Its violations join the step's report.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvcanary.config import CanaryConfig
-from kvcanary.core.record import Half
+from kvcanary.core.record import Half, LaunchPoint, PoolKind
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.runtime.batch import ForwardBatch
-from kvcanary.runtime.canary import Canary, PoolGeometry, StepReport
+from kvcanary.runtime.canary import Canary, PoolGeometry, Recovery, StepReport
 from kvcanary.runtime.sweep import SweepRun
 
 if TYPE_CHECKING:
     from kvcanary.engine.engine import Engine
 
 
-def pool_sources(engine: Engine, config: CanaryConfig) -> list[KVSource]:
-    """KV sources of the covered layers and halves (default: first and last layer)."""
-    n = engine.model_config.num_layers
-    layers = config.layers if config.layers is not None else tuple(dict.fromkeys((0, n - 1)))
+def pool_sources(engine: Engine, config: CanaryConfig, pool: PoolKind = PoolKind.FULL) -> list[KVSource]:
+    """KV sources of the covered layers and halves that live in ``pool`` (default: the first and
+    last layer of that pool: full-attention layers for FULL, sliding-window layers for SWA)."""
+    mc = engine.model_config
+    n = mc.num_layers
+    own = mc.full_layers if pool is PoolKind.FULL else mc.window_layers
+    layers = config.layers if config.layers is not None else tuple(dict.fromkeys((own[0], own[-1])))
     for layer in layers:
         if not 0 <= layer < n:
             raise ValueError(f"CanaryConfig.layers has {layer}, outside the model's [0, {n}) layers")
     buffers = {Half.K: engine.pool.k_buffers, Half.V: engine.pool.v_buffers}
-    return [KVSource.from_buffer(buffers[h][layer], half=h, layer=layer) for layer in layers for h in config.halves]
+    return [KVSource.from_buffer(buffers[h][layer], half=h, layer=layer)
+            for layer in layers if layer in own for h in config.halves]
+
+
+def _runs(mask: torch.Tensor) -> list[slice]:
+    """Slices of the maximal runs of True in a bool[n] mask."""
+    out, start = [], None
+    for i, m in enumerate([*mask.tolist(), False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append(slice(start, i))
+            start = None
+    return out
+
+
+def window_runs(runs: Sequence, lut: torch.Tensor) -> list[SweepRun]:
+    """Sweep runs of the window pool: the stretches of ``runs`` (full-pool cached runs) whose
+    slots still hold a window slot, translated through ``lut`` (int64, CPU)."""
+    out = []
+    for r in runs:
+        win = lut[r.slots.to("cpu", torch.int64)]
+        prev = int(lut[r.prev_slot]) if r.prev_slot > 0 else 0
+        for run in _runs(win > 0):
+            before = int(win[run.start - 1]) if run.start else prev
+            tokens = list(r.token_ids[run]) if r.token_ids is not None else None
+            out.append(SweepRun(win[run].to(r.slots.device), tokens, r.start_position + run.start, before or -1))
+    return out
 
 
 class CanaryHooks(EngineHooks):
@@ -43,6 +82,7 @@ class CanaryHooks(EngineHooks):
         self.config = config
         self.engine: Engine | None = None
         self.canary: Canary | None = None
+        self.window_canary: Canary | None = None  # the sliding-window pool's, if the model has one
         self.step = 0
         self.reports: list[StepReport] = []
 
@@ -53,18 +93,50 @@ class CanaryHooks(EngineHooks):
         self.canary = Canary(self.config, geometry, sources=pool_sources(engine, self.config))
         if engine.host_tier is not None:
             self.canary.attach_host_tier(cfg.host_tier_slots)
+        window = engine.pool.window
+        if window is not None:
+            wgeo = PoolGeometry(window.num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device))
+            self.window_canary = Canary(self.config, wgeo, sources=pool_sources(engine, self.config, PoolKind.SWA),
+                                        pool=PoolKind.SWA, window=window.window)
+            if engine.host_tier is not None:
+                self.window_canary.attach_host_tier(cfg.host_tier_slots)
+            # one breakdown of the run's violations by reason and launch point (metrics: by pool too)
+            wt, t = self.window_canary.totals, self.canary.totals
+            wt.by_reason, wt.by_launch_point, wt.by_label = t.by_reason, t.by_launch_point, t.by_label
         return self.canary
+
+    def _window_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        return dataclasses.replace(batch, slot_lut=self.engine.pool.window.lut)
 
     def before_forward(self, batch: ForwardBatch) -> None:
         if self.canary.sweep_due(self.step):
             runs = [SweepRun(r.slots, r.token_ids, r.start_position, r.prev_slot)
                     for r in self.engine.prefix_cache_slots()]
             self.canary.sweep(runs)
-        self.canary.head(batch)
+            if self.window_canary is not None:
+                self.window_canary.sweep(window_runs(runs, self.engine.pool.window.translate(
+                    torch.arange(self.engine.config.num_slots))))
+        for canary, b in self._canaries(batch):
+            canary.prepare_head(b)
+
+    def forward_prologue(self, batch: ForwardBatch) -> None:
+        for canary, b in self._canaries(batch):
+            canary.launch_head(b)
+
+    def forward_epilogue(self, batch: ForwardBatch) -> None:
+        for canary, b in self._canaries(batch):
+            canary.tail(b)
+
+    def _canaries(self, batch: ForwardBatch) -> list[tuple[Canary, ForwardBatch]]:
+        """Each canary with the batch as its pool sees it."""
+        if self.window_canary is None:
+            return [(self.canary, batch)]
+        return [(self.canary, batch), (self.window_canary, self._window_batch(batch))]
 
     def after_forward(self, batch: ForwardBatch) -> None:
-        self.canary.tail(batch)
         report = self.canary.end_step(self.step)
+        if self.window_canary is not None:
+            report = self._merge_window(report, self.window_canary.end_step(self.step))
         if report.violations or report.alarms:
             self.reports.append(report)
         if report.recovery is not None:
@@ -72,14 +144,56 @@ class CanaryHooks(EngineHooks):
             known = [r for r in rec.requests if r in self.engine.requests]
             self.engine.recompute(known, torch.tensor(rec.slots, dtype=torch.int64), since_step=rec.since_step)
 
+    def _merge_window(self, report: StepReport, window: StepReport) -> StepReport:
+        """One report of the step: the window pool's violations and alarms join the full pool's;
+        its recovery names the full slots that own the damaged window slots."""
+        report.violations += window.violations
+        report.alarms += window.alarms
+        if window.recovery is not None:
+            rec, wrec = report.recovery, window.recovery
+            slots = self.engine.pool.window.full_slots_of(wrec.slots)
+            if rec is None:
+                report.recovery = Recovery(wrec.requests, tuple(slots), wrec.since_step)
+            else:
+                report.recovery = Recovery(tuple(dict.fromkeys(rec.requests + wrec.requests)),
+                                           tuple(sorted(set(rec.slots) | set(slots))),
+                                           min(rec.since_step, wrec.since_step))
+        return report
+
+    def flush(self, step: int) -> StepReport:
+        """Read everything the canaries still have pending (end of a run; blocks on the device):
+        the full pool's report with the window pool's merged in."""
+        report = self.canary.flush(step)
+        if self.window_canary is not None:
+            report = self._merge_window(report, self.window_canary.flush(step))
+        return report
+
+    def window_report(self) -> dict | None:
+        """The window pool's counters (positions translated, slid out, ...) and its canary's, or
+        None without a window pool."""
+        if self.window_canary is None:
+            return None
+        c, t = self.window_canary.counters(), self.window_canary.totals
+        return {**self.engine.pool.window.counters(), "protected_slots": c["HEAD"]["stamped"],
+                "verified_slots": sum(c[p.name]["checked"] for p in LaunchPoint), "sweeps": t.sweeps,
+                "violations": max(c["ring_total"], t.violations)}
+
     def after_step(self, step_index: int) -> None:
         self.step = step_index + 1
 
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         self.canary.offload(device_slots, host_rows)
+        if self.window_canary is not None:  # window records follow the window K/V the pool offloaded
+            win = self.engine.pool.window.translate(device_slots)
+            has = win > 0
+            self.window_canary.offload(win[has], host_rows.cpu()[has])
 
     def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         self.canary.load_back(host_rows, device_slots)
+        if self.window_canary is not None:
+            win, rows = self.engine.pool.window.translate(device_slots), host_rows.cpu()
+            for run in _runs(win > 0):  # each run of consecutive positions is verified as it lands
+                self.window_canary.load_back(rows[run], win[run].to(device_slots.device))
 
 
 def attach_canary(engine_factory, config: CanaryConfig):

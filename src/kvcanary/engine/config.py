@@ -50,7 +50,12 @@ def _round_up(x: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and seed of the tiny Llama-style model. Weights are drawn from ``seed``."""
+    """Shape and seed of the tiny Llama-style model. Weights are drawn from ``seed``.
+
+    ``window_layers``: layers that attend over a sliding window of the last ``sliding_window``
+    positions (query t sees keys ``t - sliding_window < j <= t``) and keep their K/V in the
+    engine's smaller window pool; () = every layer attends over the whole prefix.
+    """
 
     vocab_size: int = 256
     hidden: int = 64
@@ -62,6 +67,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dtype: torch.dtype = torch.float64
     seed: int = 0
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         names = (
@@ -84,7 +91,22 @@ class ModelConfig:
              "a floating torch.dtype", "use torch.float64 (batch-invariant) or another float type"),
             ("seed", lambda: isinstance(self.seed, int) and 0 <= self.seed < 2**63,
              "an int in [0, 2**63)", "pass a non-negative seed"),
+            ("window_layers", lambda: isinstance(self.window_layers, tuple) and all(
+                type(x) is int for x in self.window_layers) and list(self.window_layers) == sorted(
+                set(self.window_layers)) and all(0 <= x < self.num_layers for x in self.window_layers),
+             f"a tuple of distinct layer indices in [0, {self.num_layers}) in increasing order",
+             "pass e.g. (0, 2), or () for full attention everywhere"),
+            ("window_layers", lambda: len(self.window_layers) < self.num_layers, "not every layer",
+             "keep at least one full-attention layer: the window pool is addressed through the full pool"),
+            ("sliding_window", lambda: type(self.sliding_window) is int and (
+                self.sliding_window >= 1 if self.window_layers else self.sliding_window == 0),
+             ">= 1 with window_layers, 0 without", "pass both sliding_window and window_layers, or neither"),
         ])  # fmt: skip
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layers that attend over the whole prefix (their K/V lives in the full pool)."""
+        return tuple(x for x in range(self.num_layers) if x not in self.window_layers)
 
 
 @dataclass(frozen=True)
@@ -98,7 +120,13 @@ class EngineConfig:
     ``graph_batch_sizes``: decode-only batches are padded to the smallest of these sizes that fits
     (as CUDA-graph replay does) with padding requests (row 0, writing slot 0); () = no padding.
     ``num_draft_tokens``: speculative decoding, drafts per decode step verified against the oracle
-    sampler (0 = off). ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
+    sampler (0 = off). ``window_slots``: slots of the window pool of a model with sliding-window
+    layers (slot 0 reserved; 0 = sized by the pool, see ``kvcanary.engine.pool.window_pool_slots``).
+    ``cuda_graph``: capture decode steps (canary HEAD + model + canary TAIL) in CUDA graphs, one
+    per size of ``graph_batch_sizes``, and replay them (``kvcanary.engine.cuda_graph``).
+    ``jitter_ns``: spin-waits of up to this many ns at four fixed points of every forward, drawn
+    per step from ``jitter_seed`` (GPU only: ``kvcanary.runtime.jitter``); 0 = off.
+    ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
     string values), all off by default; the engine is correct only without them.
     """
 
@@ -115,6 +143,10 @@ class EngineConfig:
     device: str = "cpu"
     graph_batch_sizes: tuple[int, ...] = ()
     num_draft_tokens: int = 0
+    window_slots: int = 0
+    cuda_graph: bool = False
+    jitter_ns: int = 0
+    jitter_seed: int = 0
     bugs: frozenset[Bug] = frozenset()
 
     def __post_init__(self) -> None:
@@ -158,6 +190,15 @@ class EngineConfig:
              "an int >= 0", "pass 0 to disable speculative decoding"),
             ("num_draft_tokens", lambda: self.num_draft_tokens == 0 or SamplerKind(self.sampler) is SamplerKind.ORACLE,
              "0 with the greedy sampler", "drafts are verified against the oracle sampler; pass sampler='oracle'"),
+            ("window_slots", lambda: type(self.window_slots) is int and (self.window_slots == 0 or
+                                                                        self.window_slots >= 2),
+             "0 (sized by the pool) or an int >= 2", "slot 0 of the window pool is reserved; pass 0 or >= 2"),
+            ("cuda_graph", lambda: not self.cuda_graph or (_device_type(self.device) == "cuda"
+                                                           and bool(self.graph_batch_sizes)),
+             "False unless device is CUDA and graph_batch_sizes is non-empty",
+             "decode steps are captured per padded batch size; pass device='cuda' and graph_batch_sizes"),
+            ("jitter_ns", lambda: type(self.jitter_ns) is int and self.jitter_ns >= 0, "an int >= 0",
+             "pass 0 to disable the timing jitter"),
             ("bugs", lambda: _is_bug_set(self.bugs),
              f"a set of kvcanary.engine.zoo.Bug (or of {[b.value for b in Bug]})",
              "pass e.g. frozenset({Bug.STALE_RADIX_NODE}), or frozenset() for the correct engine"),

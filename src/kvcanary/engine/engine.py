@@ -1,8 +1,10 @@
 """The engine: requests in, one forward per step, tokens out.
 
 ``step()`` = schedule (admit, evict/offload, load back, preempt) -> build the ``ForwardBatch``
--> ``hooks.before_forward`` -> model (writes and reads the paged KV) -> ``hooks.after_forward``
--> sample -> finish (finished requests enter the prefix cache) -> ``hooks.after_step``.
+-> ``hooks.before_forward`` -> ``hooks.forward_prologue`` -> model (writes and reads the paged
+KV) -> ``hooks.forward_epilogue`` -> ``hooks.after_forward`` (with ``EngineConfig.cuda_graph``,
+prologue + model + epilogue of a decode step replay as one CUDA graph: ``cuda_graph.py``) ->
+sample -> finish (finished requests enter the prefix cache) -> ``hooks.after_step``.
 ``EngineConfig.bugs`` switches on real-bug re-creations (``kvcanary.engine.zoo``); ``Engine.zoo``
 logs their acts.
 """
@@ -17,6 +19,7 @@ import torch
 
 from kvcanary.engine.cache_manager import CacheManager
 from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.engine.cuda_graph import DecodeGraphs
 from kvcanary.engine.forward_batch import build_forward_batch
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.engine.host_tier import HostTier
@@ -30,6 +33,7 @@ from kvcanary.engine.stats import EngineStats
 from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
 from kvcanary.errors import CapacityError, ConfigError
 from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.jitter import Jitter
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Engine:
         self.model = TinyLlama(self.model_config, config.max_ctx, self.device)
         self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
+        self.graphs = DecodeGraphs(config.graph_batch_sizes) if config.cuda_graph else None
+        self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
         self._next_id = 0
         self._late_writes: list[InFlightWrite] = []  # zoo (Bug.ABORT_INFLIGHT_WRITE)
@@ -155,9 +161,16 @@ class Engine:
             return StepResult(step_index=-1)
         batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo)
         batch_reqs = [req for req, _ in plan]
+        graphed = self.graphs.load(batch) if self.graphs is not None else None
+        if self.jitter is not None:
+            self.jitter.draw()
+        if graphed is not None:
+            batch = graphed
         self.hooks.before_forward(batch)
-        logits = self.model.forward(batch, self.pool)
+        logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch)
         self.hooks.after_forward(batch)
+        if graphed is None and self.graphs is not None and self.graphs.eligible(batch):
+            self.graphs.capture(batch, lambda b: self._device_step(b, static=True))
         if self._late_writes:
             self._land_late_writes(batch)
         # a hook may have retracted requests (recompute policy): they produce nothing this step
@@ -186,6 +199,19 @@ class Engine:
             logits={r.request_id: logits[i] for r, i in zip(reqs, rows, strict=True)},
             batch=batch,
         )
+
+    def _device_step(self, batch: ForwardBatch, static: bool = False) -> torch.Tensor:
+        """The device half of a step: prologue hooks, the model, epilogue hooks, with jitter points
+        between them. ``static``: keys over a fixed ``max_ctx`` window, no host sync (capture)."""
+        spin = self.jitter.spin if self.jitter is not None else lambda point: None
+        spin(0)
+        self.hooks.forward_prologue(batch)
+        spin(1)
+        logits = self.model.forward(batch, self.pool, max_len=self.config.max_ctx if static else None)
+        spin(2)
+        self.hooks.forward_epilogue(batch)
+        spin(3)
+        return logits
 
     def _padding(self, plan: Plan) -> tuple[int, int]:
         """(padding requests, their slot) of a decode-only batch padded to ``graph_batch_sizes``."""

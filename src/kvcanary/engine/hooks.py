@@ -4,8 +4,12 @@ Order within one ``Engine.step()``:
 
 1. scheduling: ``on_offload`` / ``on_free`` (prefix-cache eviction), ``on_load`` (load-back of
    host-resident prefix nodes), ``on_free`` (preemption);
-2. ``before_forward(batch)`` -> the model writes K/V at ``batch.out_cache_loc`` and reads every
-   request's prefix through ``batch.req_to_token`` -> ``after_forward(batch)``;
+2. ``before_forward(batch)`` -> ``forward_prologue(batch)`` -> the model writes K/V at
+   ``batch.out_cache_loc`` and reads every request's prefix through ``batch.req_to_token`` ->
+   ``forward_epilogue(batch)`` -> ``after_forward(batch)``. With ``EngineConfig.cuda_graph`` the
+   prologue, the model and the epilogue of a decode step are one captured CUDA graph, replayed
+   after ``before_forward`` with the step's tensors copied into the graph's buffers: the prologue
+   and epilogue are called once, at capture, and must only launch fixed-size device work;
 3. sampling, then ``on_free`` for finished requests' slots that do not stay in the prefix cache;
 4. ``after_step(step_index)``.
 
@@ -25,6 +29,13 @@ class EngineHooks:
 
     def before_forward(self, batch: ForwardBatch) -> None:
         """Right before the model runs; the slots in ``batch.out_cache_loc`` are not written yet."""
+
+    def forward_prologue(self, batch: ForwardBatch) -> None:
+        """Device work right before the model, on its stream; captured with it under CUDA graphs
+        (fixed-size launches only: no host sync, no allocation, no host-side bookkeeping)."""
+
+    def forward_epilogue(self, batch: ForwardBatch) -> None:
+        """Device work right after the model; captured with it under CUDA graphs (as the prologue)."""
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Right after the model wrote K/V for every slot in ``batch.out_cache_loc``."""

@@ -8,12 +8,13 @@ bit-identical whatever it is batched with and however its prefill is chunked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from kvcanary.engine.attention import AttentionLayout, paged_attention
+from kvcanary.engine.attention import attention_inputs, paged_attention
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.grid import to_grid
 from kvcanary.engine.pool import KVPoolBase
@@ -81,28 +82,48 @@ class TinyLlama:
         angles = torch.arange(max_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.rope_cos = to_grid(torch.cos(angles)).to(device=device, dtype=c.dtype)  # [max_ctx, D / 2]
         self.rope_sin = to_grid(torch.sin(angles)).to(device=device, dtype=c.dtype)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = lambda partial: partial  # see ``shard``
+
+    def shard(self, rank: int, num_ranks: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keep rank ``rank``'s slice of every layer for tensor parallelism over ``num_ranks``:
+        contiguous query and KV heads of wq/wk/wv (column-parallel) and wo (row-parallel), and of the
+        MLP's intermediate dimension (gate/up column-, down row-parallel). ``reduce`` sums the
+        partial outputs of wo and w_down over the ranks before they are rounded to the grid: sums of
+        exact partials are exact, so the logits equal an unsharded model's bit for bit."""
+        c = self.config
+        for name, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads), ("intermediate", c.intermediate)):
+            if n % num_ranks:
+                raise ValueError(f"ModelConfig.{name} ({n}) must be a multiple of num_ranks ({num_ranks})")
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")
+        q, kv, mlp = (slice(rank * n // num_ranks, (rank + 1) * n // num_ranks)
+                      for n in (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate))
+        self.layers = [replace(w, wq=w.wq[q].clone(), wk=w.wk[kv].clone(), wv=w.wv[kv].clone(), wo=w.wo[:, q].clone(),
+                               w_gate=w.w_gate[mlp].clone(), w_up=w.w_up[mlp].clone(), w_down=w.w_down[:, mlp].clone())
+                       for w in self.layers]
+        self.reduce = reduce
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, pool: KVPoolBase) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: KVPoolBase, max_len: int | None = None) -> torch.Tensor:
         """Run ``batch``: writes K/V of its tokens into ``pool`` at ``batch.out_cache_loc`` (every
         layer), reads each request's K/V through ``batch.req_to_token``. Returns the logits of each
-        request's last token: [bs, vocab_size] in the model dtype."""
+        request's last token: [bs, vocab_size] in the model dtype. ``max_len``: a fixed key width for
+        a decode batch, so the forward makes no host sync (CUDA-graph capture)."""
         c, num_tokens = self.config, batch.num_tokens
-        layout = AttentionLayout.from_batch(batch)
+        inputs = attention_inputs(batch, pool, c.num_layers, max_len)  # per layer: (layout, slots written)
         positions = batch.positions.clamp(0, self.max_ctx - 1)  # RoPE table bounds, whatever the batch says
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.embed[batch.input_ids]
         for layer, w in enumerate(self.layers):
             x = rms_norm(h, w.attn_norm)
-            q = apply_rope(to_grid(x @ w.wq.T).view(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(to_grid(x @ w.wk.T).view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
-            v = to_grid(x @ w.wv.T).view(num_tokens, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(
-                q, k, v, pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, layout
-            )
-            h = h + to_grid(attn.reshape(num_tokens, -1) @ w.wo.T)
+            q = apply_rope(to_grid(x @ w.wq.T).view(num_tokens, -1, c.head_dim), cos, sin)
+            k = apply_rope(to_grid(x @ w.wk.T).view(num_tokens, -1, c.head_dim), cos, sin)
+            v = to_grid(x @ w.wv.T).view(num_tokens, -1, c.head_dim)
+            layout, out_cache_loc = inputs[layer]
+            attn = paged_attention(q, k, v, pool.k_buffers[layer], pool.v_buffers[layer], out_cache_loc, layout)
+            h = h + to_grid(self.reduce(attn.reshape(num_tokens, -1) @ w.wo.T))
             x = rms_norm(h, w.mlp_norm)
             gated = to_grid(F.silu(to_grid(x @ w.w_gate.T)) * to_grid(x @ w.w_up.T))
-            h = h + to_grid(gated @ w.w_down.T)
+            h = h + to_grid(self.reduce(gated @ w.w_down.T))
         last = torch.cumsum(batch.extend_lens, 0) - 1
         return to_grid(rms_norm(h[last], self.final_norm) @ self.lm_head.T)

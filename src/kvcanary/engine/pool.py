@@ -12,6 +12,12 @@ Ownership of every usable page, checked by ``check_integrity``:
 | owned        | exactly one prefix-cache node or one request              |
 
 A page quarantined while owned stays owned until its owner frees it, then stays out.
+
+A model with sliding-window layers keeps their K/V in a second, smaller pool (``WindowPool``):
+only positions inside some request's window hold a window slot, found through the full-slot ->
+window-slot table ``WindowPool.lut`` (0 = no window slot: evicted or out of every window). A
+layer's buffers in ``k_buffers`` / ``v_buffers`` are addressed by full slot for a full-attention
+layer and by window slot for a window layer.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class KVPoolBase(ABC):
 
     page_size: int
     req_to_token: torch.Tensor  # int32[max_rows, max_ctx], (row, position) -> slot
-    k_buffers: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
+    k_buffers: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim] (window layers: window slots)
     v_buffers: list[torch.Tensor]
+    window: WindowPool | None = None  # the sliding-window layers' pool, if the model has any
 
     @abstractmethod
     def alloc(self, num_slots: int) -> torch.Tensor | None:
@@ -67,6 +74,115 @@ class KVPoolBase(ABC):
         row >= 1 is free or in ``used_rows``."""
 
 
+def window_pool_slots(model_config: ModelConfig, config: EngineConfig) -> int:
+    """Window-pool size: ``config.window_slots``, or when 0 what the running requests can hold at
+    once (each: its window twice over, once in its own slots and once in a cached prefix it
+    reads; plus one step's tokens and the reserved slot), at most the full pool's size."""
+    if config.window_slots:
+        return config.window_slots
+    w, ps = model_config.sliding_window, config.page_size
+    return min(config.num_slots, 1 + config.max_running * 2 * (w + ps) + config.max_tokens_per_step + ps)
+
+
+class WindowPool:
+    """K/V of the sliding-window layers for positions inside a window, and the full-slot ->
+    window-slot table. Window slots are handed out one at a time (slot 0 reserved) and reused as
+    windows slide.
+
+    ``lut``: int64[full num_slots] on the pool's device, 0 = no window slot. Counters:
+    ``num_mapped`` (positions given a window slot), ``num_translated`` (of those, at a window
+    slot number other than their full slot), ``num_slid_out`` (positions taken back after they
+    left their request's window), ``num_dropped`` (cached positions whose window slot was taken
+    back while their full K/V stayed cached), ``num_reused`` (window slots handed out again).
+    """
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, device: torch.device):
+        self.window, self.layers = model_config.sliding_window, model_config.window_layers
+        self.num_slots = window_pool_slots(model_config, config)
+        shape = (self.num_slots, model_config.num_kv_heads, model_config.head_dim)
+        make = lambda: torch.zeros(shape, dtype=model_config.dtype, device=device)
+        self.k_buffers = {layer: make() for layer in self.layers}
+        self.v_buffers = {layer: make() for layer in self.layers}
+        self.lut = torch.zeros(config.num_slots, dtype=torch.int64, device=device)
+        self._lut = torch.zeros(config.num_slots, dtype=torch.int64)  # host mirror: bookkeeping without syncs
+        self._free = deque(range(1, self.num_slots))
+        self._ever_used = [False] * self.num_slots
+        self.num_mapped = self.num_translated = self.num_slid_out = self.num_dropped = self.num_reused = 0
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Window slots of ``full_slots`` (int64, CPU; 0 where none), from the host mirror."""
+        return self._lut[full_slots.to("cpu", torch.int64)]
+
+    def num_unmapped(self, full_slots: torch.Tensor) -> int:
+        return int((self.translate(full_slots) == 0).sum())
+
+    def map(self, full_slots: torch.Tensor) -> bool:
+        """Give every slot of ``full_slots`` (> 0) that has none a window slot; False (nothing
+        changed) when too few are free. Updates ``lut``."""
+        full = full_slots.to("cpu", torch.int64)
+        full = torch.unique(full[(full > 0) & (self._lut[full.clamp(min=0)] == 0)])
+        n = full.numel()
+        if n > len(self._free):
+            return False
+        if n == 0:
+            return True
+        win = torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
+        self.num_reused += sum(self._ever_used[w] for w in win.tolist())
+        for w in win.tolist():
+            self._ever_used[w] = True
+        self._lut[full] = win
+        self.lut[full.to(self.lut.device)] = win.to(self.lut.device)
+        self.num_mapped += n
+        self.num_translated += int((win != full).sum())
+        return True
+
+    def unmap(self, full_slots: torch.Tensor, slid: bool = False, dropped: bool = False) -> int:
+        """Release the window slots of ``full_slots`` (those that have one); ``slid``: they left
+        their request's window (``num_slid_out``); ``dropped``: cached positions whose full K/V
+        stays (``num_dropped``). Returns the number released."""
+        full = full_slots.to("cpu", torch.int64)
+        full = torch.unique(full[(full > 0) & (full < self._lut.numel())])
+        full = full[self._lut[full] != 0]
+        if full.numel() == 0:
+            return 0
+        self._free.extend(self._lut[full].tolist())
+        self._lut[full] = 0
+        self.lut[full.to(self.lut.device)] = 0
+        self.num_slid_out += full.numel() if slid else 0
+        self.num_dropped += full.numel() if dropped else 0
+        return full.numel()
+
+    def full_slots_of(self, window_slots: Sequence[int]) -> list[int]:
+        """The full slots now mapped to ``window_slots`` (those that are mapped)."""
+        mapped = torch.nonzero(self._lut).flatten()
+        owner = dict(zip(self._lut[mapped].tolist(), mapped.tolist(), strict=True))
+        return [owner[w] for w in window_slots if w in owner]
+
+    def counters(self) -> dict[str, int]:
+        return {"window": self.window, "window_slots": self.num_slots, "mapped_positions": self.num_mapped,
+                "translated_positions": self.num_translated, "slid_out_positions": self.num_slid_out,
+                "dropped_cached_positions": self.num_dropped,
+                "reused_window_slots": self.num_reused, "resident_positions": int((self._lut != 0).sum())}
+
+    def check_integrity(self, free_full_slots: set[int]) -> None:
+        """Assert window-slot conservation (free + mapped == usable, each mapped once), the device
+        table equals its host mirror, and no free full slot keeps a window slot."""
+        mapped = torch.nonzero(self._lut).flatten()
+        win = self._lut[mapped].tolist()
+        free = list(self._free)
+        assert len(set(win)) == len(win), "a window slot is mapped from two full slots"
+        assert sorted(win + free) == list(range(1, self.num_slots)), (
+            f"window-slot conservation broken: {len(free)} free + {len(win)} mapped != {self.num_slots - 1}"
+        )
+        assert torch.equal(self.lut.cpu(), self._lut), "window table on the device != its host mirror"
+        stale = sorted(set(mapped.tolist()) & free_full_slots)
+        assert not stale, f"free full slots still hold window slots: {stale[:8]}"
+
+
 class KVPool(KVPoolBase):
     def __init__(self, model_config: ModelConfig, config: EngineConfig, hooks: EngineHooks):
         self.config, self.hooks = config, hooks
@@ -75,8 +191,11 @@ class KVPool(KVPoolBase):
         self.device = torch.device(config.device)
         shape = (config.num_slots, model_config.num_kv_heads, model_config.head_dim)
         make = lambda: torch.zeros(shape, dtype=model_config.dtype, device=self.device)
-        self.k_buffers = [make() for _ in range(model_config.num_layers)]
-        self.v_buffers = [make() for _ in range(model_config.num_layers)]
+        self.window = WindowPool(model_config, config, self.device) if model_config.window_layers else None
+        self.full_layers = model_config.full_layers
+        layers = range(model_config.num_layers)
+        self.k_buffers = [self.window.k_buffers[x] if x not in self.full_layers else make() for x in layers]
+        self.v_buffers = [self.window.v_buffers[x] if x not in self.full_layers else make() for x in layers]
         self.req_to_token = torch.zeros(
             config.max_rows, config.max_ctx, dtype=torch.int32, device=self.device
         )
@@ -84,6 +203,8 @@ class KVPool(KVPoolBase):
         pin = self.device.type == "cuda"
         self.host_k = torch.zeros(host_shape, dtype=model_config.dtype, pin_memory=pin)
         self.host_v = torch.zeros(host_shape, dtype=model_config.dtype, pin_memory=pin)
+        # a window layer's host row holds the slot's window K/V, when it had a window slot
+        self.host_has_window = torch.zeros(config.host_tier_slots, dtype=torch.bool)
         self._free_pages = deque(range(1, config.num_pages))
         self._is_free = [False] + [True] * (config.num_pages - 1)
         self._quarantined: set[int] = set()
@@ -119,6 +240,8 @@ class KVPool(KVPoolBase):
 
     def free(self, slots: torch.Tensor) -> None:
         slots = slots.to("cpu", torch.int64)
+        if self.window is not None:
+            self.window.unmap(slots)
         returned = []
         for p in self._pages_of(slots):
             assert 0 < p < len(self._is_free) and not self._is_free[p], f"double free or bad page {p}"
@@ -151,17 +274,36 @@ class KVPool(KVPoolBase):
         self._free_rows.append(row)
 
     def copy_to_host(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """Full layers from ``slots``; window layers from the window slots of those that have one."""
         slots, host_rows = slots.to(self.device, torch.int64), host_rows.to("cpu", torch.int64)
-        self.host_k[:, host_rows] = torch.stack([k[slots] for k in self.k_buffers]).cpu()
-        self.host_v[:, host_rows] = torch.stack([v[slots] for v in self.v_buffers]).cpu()
+        for x in self.full_layers:
+            self.host_k[x, host_rows] = self.k_buffers[x][slots].cpu()
+            self.host_v[x, host_rows] = self.v_buffers[x][slots].cpu()
+        if self.window is not None:
+            win = self.window.translate(slots)
+            has = win > 0
+            self.host_has_window[host_rows] = has
+            if bool(has.any()):
+                src, rows = win[has].to(self.device), host_rows[has]
+                for x in self.window.layers:
+                    self.host_k[x, rows] = self.k_buffers[x][src].cpu()
+                    self.host_v[x, rows] = self.v_buffers[x][src].cpu()
         self.hooks.on_offload(slots, host_rows)
 
     def copy_from_host(self, host_rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Full layers into ``slots``; window layers into fresh window slots for the rows that hold
+        window K/V, when the window pool has room for all of them (else they get none)."""
         slots, host_rows = slots.to(self.device, torch.int64), host_rows.to("cpu", torch.int64)
-        k, v = self.host_k[:, host_rows].to(self.device), self.host_v[:, host_rows].to(self.device)
-        for layer, (k_buf, v_buf) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
-            k_buf[slots] = k[layer]
-            v_buf[slots] = v[layer]
+        for x in self.full_layers:
+            self.k_buffers[x][slots] = self.host_k[x, host_rows].to(self.device)
+            self.v_buffers[x][slots] = self.host_v[x, host_rows].to(self.device)
+        if self.window is not None:
+            want = self.host_has_window[host_rows]
+            if bool(want.any()) and self.window.map(slots.cpu()[want]):
+                dst, rows = self.window.translate(slots.cpu()[want]).to(self.device), host_rows[want]
+                for x in self.window.layers:
+                    self.k_buffers[x][dst] = self.host_k[x, rows].to(self.device)
+                    self.v_buffers[x][dst] = self.host_v[x, rows].to(self.device)
         self.hooks.on_load(host_rows, slots)
 
     def check_integrity(self, owned: Sequence[torch.Tensor], used_rows: Sequence[int]) -> None:
@@ -196,3 +338,6 @@ class KVPool(KVPoolBase):
             f"row conservation broken: {len(free_rows)} free + {len(used_rows)} used "
             f"!= {self.config.max_rows - 1} usable rows"
         )
+        if self.window is not None:
+            ps = self.page_size
+            self.window.check_integrity({p * ps + i for p in free_pages for i in range(ps)})

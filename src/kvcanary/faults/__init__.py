@@ -1,8 +1,11 @@
 """Fault injectors: each breaks the KV cache the way a class of real bugs does, through the
 engine's public objects and hooks, and records where and when it acted.
 
-``FAULTS`` holds the injectors the reference engine can host, in the order of DESIGN.md §7;
-``PENDING_FAULTS`` those that wait for an engine feature (their ``pending`` says which).
+``FAULTS`` holds the injectors the reference engine can host with any model, in the order of
+DESIGN.md §7; ``WINDOW_FAULTS`` those that need a model with sliding-window layers
+(``--model hybrid-swa``); ``PD_FAULTS`` those that act on the prefill/decode transfer
+(``kv-canary run --pd``, judged on the decode side); ``PENDING_FAULTS`` those that wait for an
+engine feature (their ``pending`` says which).
 """
 
 from __future__ import annotations
@@ -15,19 +18,27 @@ from kvcanary.faults.host_row_flip import HostRowFlip
 from kvcanary.faults.host_row_mismatch import HostRowMismatch
 from kvcanary.faults.page_table_repoint import PageTableRepoint
 from kvcanary.faults.position_skew import PositionSkew
+from kvcanary.faults.prefill_after_check import PrefillAfterCheck
 from kvcanary.faults.sampled_token_swap import SampledTokenSwap
 from kvcanary.faults.sliding_window_lut import SlidingWindowLut
 from kvcanary.faults.stale_slot_reuse import StaleSlotReuse
+from kvcanary.faults.stale_transfer_write import StaleTransferWrite
 from kvcanary.faults.stamp_corruption import StampCorruption, StampField
+from kvcanary.faults.transfer_byte_flip import TransferByteFlip
+from kvcanary.faults.transfer_wrong_slot import TransferWrongSlot
 from kvcanary.faults.used_slot_flip import UsedSlotFlip
 from kvcanary.faults.written_slot_flip import WrittenSlotFlip
 
 FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
     PageTableRepoint, UsedSlotFlip, CachedSlotFlip, WrittenSlotFlip, SampledTokenSwap, PositionSkew,
     ChunkBoundaryToken, StampCorruption, HostRowFlip, HostRowMismatch, StaleSlotReuse)}
-PENDING_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (SlidingWindowLut,)}
+WINDOW_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (SlidingWindowLut,)}
+PD_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
+    TransferByteFlip, TransferWrongSlot, StaleTransferWrite, PrefillAfterCheck)}
+PENDING_FAULTS: dict[str, type[Fault]] = {}
 
-__all__ = ["FAULTS", "PENDING_FAULTS", "CachedSlotFlip", "ChunkBoundaryToken", "Expectation", "Fault", "FaultHooks",
-           "HostRowFlip", "HostRowMismatch", "Injection", "PageTableRepoint", "PositionSkew", "SampledTokenSwap",
-           "SlidingWindowLut", "StaleSlotReuse", "StampCorruption", "StampField", "UsedSlotFlip", "WrittenSlotFlip",
-           "attach_faults"]
+__all__ = ["FAULTS", "PD_FAULTS", "PENDING_FAULTS", "WINDOW_FAULTS", "CachedSlotFlip", "ChunkBoundaryToken",
+           "Expectation", "Fault", "FaultHooks", "HostRowFlip", "HostRowMismatch", "Injection", "PageTableRepoint",
+           "PositionSkew", "PrefillAfterCheck", "SampledTokenSwap", "SlidingWindowLut", "StaleSlotReuse",
+           "StaleTransferWrite", "StampCorruption", "StampField", "TransferByteFlip", "TransferWrongSlot",
+           "UsedSlotFlip", "WrittenSlotFlip", "attach_faults"]

@@ -21,7 +21,7 @@ from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.workload import Progress, Workload, run_workload
 from kvcanary.errors import CanaryViolation
-from kvcanary.faults import FAULTS, PENDING_FAULTS
+from kvcanary.faults import FAULTS, PD_FAULTS, PENDING_FAULTS, WINDOW_FAULTS
 from kvcanary.faults.base import Fault, Injection
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import WatchdogTimeout
@@ -48,6 +48,45 @@ class RunOutcome:
     wall_seconds: float
     error: str | None = None  # why the run stopped early (raise policy, watchdog)
     alarms: list = field(default_factory=list)
+    timeline: dict = field(default_factory=dict)  # per step, see ``StepTimeline.to_json``
+
+
+class StepTimeline:
+    """Per-step counts of a run for its incident report: sweeps, evicted, offloaded and loaded-back
+    slots (``observe`` after each driver tick), violations by reason (``to_json``, from their steps)."""
+
+    COLUMNS = {"sweeps": None, "evicted_slots": "num_evicted_slots", "offloaded_slots": "num_offloaded_slots",
+               "loaded_slots": "num_loaded_slots"}
+
+    def __init__(self, engine: Engine, hooks: CanaryHooks):
+        self.engine, self.hooks = engine, hooks
+        self.rows: list[dict[str, int]] = []
+        self._last = self._totals()
+
+    def _totals(self) -> dict[str, int]:
+        stats = self.engine.stats
+        return {k: self.hooks.canary.totals.sweeps if attr is None else getattr(stats, attr)
+                for k, attr in self.COLUMNS.items()}
+
+    def observe(self) -> None:
+        now = self._totals()
+        while len(self.rows) < self.engine.step_index:  # one tick runs at most one step
+            self.rows.append({k: now[k] - self._last[k] for k in now})
+            self._last = now
+
+    def to_json(self, violations: Sequence[Violation]) -> dict:
+        """``{"steps": n, "sweeps": [n ints], ..., "violations": {reason: [n ints]}}``; index = step."""
+        self.observe()
+        n = max([len(self.rows)] + [v.step + 1 for v in violations])
+        out: dict = {"steps": n}
+        for k in self.COLUMNS:
+            out[k] = [r[k] for r in self.rows] + [0] * (n - len(self.rows))
+        by_reason: dict[str, list[int]] = {}
+        for v in violations:
+            for name in Reason.names(v.reasons):
+                by_reason.setdefault(name, [0] * n)[v.step] += 1
+        out["violations"] = dict(sorted(by_reason.items()))
+        return out
 
 
 def run_once(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progress | None = None) -> RunOutcome:
@@ -55,9 +94,16 @@ def run_once(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progress |
     or ``WatchdogTimeout`` stops the run; it is kept in ``error``, its violations in ``violations``."""
     engine, hooks, fault_hooks = attach_faults(lambda h: Engine(setup.model, setup.engine, h), setup.canary, faults)
     error, extra, t0 = None, [], time.perf_counter()
+    timeline = StepTimeline(engine, hooks)
+
+    def tick(done: int, total: int) -> None:
+        timeline.observe()
+        if progress is not None:
+            progress(done, total)
+
     try:
-        counts = run_workload(engine, setup.workload, progress)
-        final = hooks.canary.flush(engine.step_index)
+        counts = run_workload(engine, setup.workload, tick)
+        final = hooks.flush(engine.step_index)  # both pools
         extra, alarms = final.violations, final.alarms
     except (CanaryViolation, WatchdogTimeout) as e:
         error, extra, alarms = str(e), getattr(e, "violations", []), []
@@ -65,7 +111,8 @@ def run_once(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progress |
     wall = time.perf_counter() - t0
     violations = [v for r in hooks.reports for v in r.violations] + list(extra)
     alarms = [a for r in hooks.reports for a in r.alarms] + list(alarms)
-    return RunOutcome(engine, hooks, counts, violations, fault_hooks.injections, wall, error, alarms)
+    return RunOutcome(engine, hooks, counts, violations, fault_hooks.injections, wall, error, alarms,
+                      timeline.to_json(violations))
 
 
 def partial_counts(engine: Engine, seconds: float) -> dict:
@@ -160,11 +207,13 @@ class CampaignResult:
 
 
 def default_faults(names: Sequence[str], seed: int, warmup_steps: int) -> list[Fault]:
-    """One fault per name, acting once after ``warmup_steps`` steps."""
-    unknown = [n for n in names if n not in FAULTS]
+    """One fault per name, acting once after ``warmup_steps`` steps (window and transfer faults
+    act only on a model with sliding-window layers / in a prefill-decode split)."""
+    known = FAULTS | WINDOW_FAULTS | PD_FAULTS
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown fault(s) {unknown}; choose from {sorted(FAULTS)}")
-    return [FAULTS[n](seed=seed, warmup_steps=warmup_steps) for n in names]
+        raise ValueError(f"unknown fault(s) {unknown}; choose from {sorted(known)}")
+    return [known[n](seed=seed, warmup_steps=warmup_steps) for n in names]
 
 
 def run_campaign(setup: RunSetup, names: Sequence[str] = tuple(FAULTS), *, seed: int = 0, warmup_steps: int = 24,

@@ -26,7 +26,8 @@ request ``r`` (split ``s`` walks positions ``lo + s*B, lo + (s + split)*B, ...``
 handle 1024 written tokens each. Writers wait until every verifier is done (so a verifier never
 sees a record this forward writes), then continue the chain across blocks with a decoupled
 look-back over per-block sums (a flag per block: aggregate ready, with or without a segment start,
-or inclusive prefix ready; tagged with a per-launch epoch, so nothing is reset between launches).
+or inclusive prefix ready; tagged with a per-launch epoch, so nothing is reset between launches;
+aggregate and inclusive sum in separate words, so a reader never takes one for the other).
 The last program to finish bumps the epoch. The workspace holds no data between launches beyond
 the epoch: one ``Workspace`` per stream of launches.
 """
@@ -81,7 +82,7 @@ class Workspace:
     sync: torch.Tensor  # int64[4]: ticket, pre-phase done, finished, epoch
     write_offsets: torch.Tensor  # int64[max_bs + 1]
     seed: torch.Tensor  # int64[max_bs]
-    block_sum: torch.Tensor  # int64[max_blocks]: per write block, aggregate then inclusive sum
+    block_sum: torch.Tensor  # int64[2 * max_blocks]: per write block, its aggregate and its inclusive sum
     block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive)
 
     @classmethod
@@ -93,7 +94,7 @@ class Workspace:
         i64 = dict(dtype=torch.int64, device=device)
         blocks = cdiv(max_tokens, WRITE_BLOCK)
         return cls(torch.zeros(4, **i64), torch.zeros(max_bs + 1, **i64), torch.full((max_bs,), -1, **i64),
-                   torch.zeros(blocks, **i64), torch.zeros(blocks, **i64))
+                   torch.zeros(2 * blocks, **i64), torch.zeros(blocks, **i64))
 
     @property
     def max_bs(self) -> int:
@@ -241,8 +242,8 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
         exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
         if NUM_SOURCES > 0:
-            exp_fp = fold_sources(tl.where(inside, slot, 1), inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                                  NUM_SOURCES, BLOCK, BLOCK_W)
+            # lanes outside ``inside`` load nothing (masked); their address is never dereferenced
+            exp_fp = fold_sources(slot, inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
             stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
             fp_bad = inside & (stored_fp != exp_fp)
         reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
@@ -267,8 +268,9 @@ def _look_back(sum_ptr, flag_ptr, b, epoch4):
     go = b >= 0
     while go:
         f = tl.atomic_add(flag_ptr + b, 0, sem="acquire")
-        if f > epoch4:
-            carry += tl.load(sum_ptr + b, volatile=True).to(tl.uint64, bitcast=True)
+        if f > epoch4:  # the aggregate (slot 2b) or, once published, the inclusive sum (slot 2b + 1)
+            word = 2 * b + (f == epoch4 + 3).to(tl.int64)
+            carry += tl.load(sum_ptr + word, volatile=True).to(tl.uint64, bitcast=True)
             go = (f == epoch4 + 1) & (b > 0)
             b -= 1
     return carry
@@ -306,13 +308,13 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
         open_seg = (r0 < bs) & (s0 < block_start)
         carry = tl.zeros((), dtype=tl.uint64)
         if w > 0:
-            tl.atomic_xchg(sum_ptr + w, agg.to(tl.int64, bitcast=True))
+            tl.atomic_xchg(sum_ptr + 2 * w, agg.to(tl.int64, bitcast=True))
             tl.debug_barrier()
             tl.atomic_xchg(flag_ptr + w, epoch4 + 1 + any_start, sem="release")
             if open_seg | (any_start == 0):
                 carry = _look_back(sum_ptr, flag_ptr, w - 1, epoch4)
         inclusive = tl.where(any_start != 0, agg, carry + agg)
-        tl.atomic_xchg(sum_ptr + w, inclusive.to(tl.int64, bitcast=True))
+        tl.atomic_xchg(sum_ptr + 2 * w + 1, inclusive.to(tl.int64, bitcast=True))
         tl.debug_barrier()
         tl.atomic_xchg(flag_ptr + w, epoch4 + 3, sem="release")
         excl += tl.where((r == r0) & open_seg, carry, 0)
@@ -354,17 +356,18 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
         n_ok = tl.sum(ok.to(tl.int64), 0)
         tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
     elif NUM_SOURCES > 0:
-        for c in tl.static_range(BLOCK // 32):
-            tc = block_start + c * 32 + tl.arange(0, 32).to(tl.int64)
+        for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
+            tc = block_start + c + tl.arange(0, 32).to(tl.int64)
             lc = tc < n
             slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
             ok = lc & (slot > 0) & (slot < num_slots)
-            slot = tl.where(ok, slot, 0)
             h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
             tl.store(words_ptr + slot * 4 + 3, h.to(tl.int64, bitcast=True), mask=ok)
 
 
-@triton.jit
+# every integer argument varies with the batch: specialising on them would compile a variant per shape
+@triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
+                               "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid"])
 def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
                   pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr, flag_ptr,
                   w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,

@@ -152,6 +152,7 @@ class Canary:
             return
         t0 = time.perf_counter()
         self._meta.batch = b
+        self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         if self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                                   pool_out=self.truth)
@@ -215,7 +216,6 @@ class Canary:
             if self.sources:
                 fingerprint(slots=self._written(b), sources=self.sources, mode=self.config.real_kv,
                             canary=self.canary, record=True, meta=self.meta)
-        self.totals.forwards += 1
         self.totals.seconds += time.perf_counter() - t0
 
     def _use_truth(self, b: ForwardBatch) -> bool:

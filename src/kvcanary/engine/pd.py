@@ -1,0 +1,222 @@
+"""Prefill/decode split: one engine prefills, a second receives the K/V and decodes.
+
+A request runs on the prefill engine for its prompt and first token (``max_new_tokens=1``);
+when it finishes there, its prompt's K/V sits in the prefill engine's prefix cache.
+``KVTransfer.send`` copies it out, every layer, with its canary records (``index_select`` ->
+host memory, pinned on CUDA), and ``KVTransfer.receive`` copies both into slots the decode
+engine allocates (``index_copy_``; the records are content-only, so they stay valid in any
+slot), verifies the landed slots at once (SWEEP) and caches them in the decode engine's prefix
+cache, where the request (prompt + first token) finds them when admitted; its first forward's
+HEAD verifies every received slot again. The two pools never share a tensor.
+
+``TransferHooks`` are the transfer's instrumentation points (fault injectors use them):
+
+| hook                     | when                                                            |
+|--------------------------|-----------------------------------------------------------------|
+| ``before_send(slots)``   | before the prefill-side slots are read (after their last check) |
+| ``after_send(payload)``  | the payload is in host memory, not yet written anywhere         |
+| ``destination(p, dst)``  | returns the slots the copy writes (``dst``: the decode engine's) |
+| ``after_receive(p, dst)``| the copy landed in ``dst`` and was verified                     |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.engine.engine import Engine
+from kvcanary.engine.request import RequestStatus
+from kvcanary.engine.workload import Progress, Workload
+from kvcanary.runtime.canary import Canary
+
+
+@dataclass
+class TransferPayload:
+    """One request's prompt K/V in flight: ``k``/``v`` [num_layers, n, num_kv_heads, head_dim]
+    and ``records`` uint8[n, 32] in host memory, for positions ``0..n-1`` of ``token_ids``."""
+
+    request_id: int
+    token_ids: list[int]
+    src_slots: torch.Tensor  # int64[n], the prefill engine's
+    k: torch.Tensor
+    v: torch.Tensor
+    records: torch.Tensor | None
+
+    @property
+    def num_bytes(self) -> int:
+        rec = self.records.numel() if self.records is not None else 0
+        return self.k.numel() * self.k.element_size() * 2 + rec
+
+
+class TransferHooks:
+    """No-op transfer hooks; see the module docstring for when each runs."""
+
+    def before_send(self, slots: torch.Tensor) -> None:
+        pass
+
+    def after_send(self, payload: TransferPayload) -> None:
+        pass
+
+    def destination(self, payload: TransferPayload, dst: torch.Tensor) -> torch.Tensor:
+        return dst
+
+    def after_receive(self, payload: TransferPayload, dst: torch.Tensor) -> None:
+        pass
+
+
+@dataclass
+class TransferStats:
+    requests: int = 0
+    slots: int = 0
+    bytes: int = 0
+    dropped: int = 0  # payloads the decode engine had no room for (the request recomputes)
+    duplicate_slots: int = 0  # received slots whose tokens the decode engine had cached already
+
+
+class KVTransfer:
+    """Copies prompts' K/V and canary records from ``prefill`` to ``decode`` (both with a
+    prefix cache; the canaries may be None when the canary is off)."""
+
+    def __init__(self, prefill: Engine, decode: Engine, prefill_canary: Canary | None, decode_canary: Canary | None,
+                 hooks: Sequence[TransferHooks] = ()):
+        if prefill.tree is None or decode.tree is None:
+            raise ValueError("KVTransfer needs both engines built with EngineConfig.enable_prefix_cache=True")
+        if prefill.pool.window is not None or decode.pool.window is not None:
+            raise ValueError("KVTransfer moves full-attention pools only; use a model without window_layers")
+        self.prefill, self.decode = prefill, decode
+        self.prefill_canary, self.decode_canary = prefill_canary, decode_canary
+        self.hooks = list(hooks)
+        self.stats = TransferStats()
+
+    def send(self, request_id: int, token_ids: Sequence[int]) -> TransferPayload | None:
+        """Read the K/V and records of ``token_ids`` (whole pages) from the prefill engine's prefix
+        cache into host memory; None when they are not all on its device."""
+        tree = self.prefill.tree
+        node, length = tree.match(list(token_ids))
+        if length != len(token_ids) or any(n.is_on_host for n in node.path()):
+            return None
+        slots = torch.cat([n.slots for n in node.path()]).to(self.prefill.device)
+        for h in self.hooks:
+            h.before_send(slots)
+        pool, pin = self.prefill.pool, self.prefill.device.type == "cuda"
+        k = torch.stack([buf.index_select(0, slots) for buf in pool.k_buffers]).to("cpu")
+        v = torch.stack([buf.index_select(0, slots) for buf in pool.v_buffers]).to("cpu")
+        records = self.prefill_canary.export_rows(slots).cpu() if self.prefill_canary is not None else None
+        if pin:
+            k, v = k.pin_memory(), v.pin_memory()
+            records = records.pin_memory() if records is not None else None
+        payload = TransferPayload(request_id, list(token_ids), slots.cpu(), k, v, records)
+        for h in self.hooks:
+            h.after_send(payload)
+        return payload
+
+    def receive(self, payload: TransferPayload) -> torch.Tensor | None:
+        """Copy ``payload`` into fresh decode-engine slots (their records verified at once) and
+        cache them in its prefix cache. Returns the slots, or None when there was no room."""
+        decode, n = self.decode, len(payload.token_ids)
+        dst = decode.cache.alloc_slots(n)
+        if dst is None:
+            self.stats.dropped += 1
+            return None
+        write = dst
+        for h in self.hooks:
+            write = h.destination(payload, write)
+        dev = decode.device
+        index = write.to(dev)
+        for layer, (k_buf, v_buf) in enumerate(zip(decode.pool.k_buffers, decode.pool.v_buffers, strict=True)):
+            k_buf.index_copy_(0, index, payload.k[layer].to(dev, non_blocking=True))
+            v_buf.index_copy_(0, index, payload.v[layer].to(dev, non_blocking=True))
+        if self.decode_canary is not None and payload.records is not None:
+            self.decode_canary.canary.index_copy_(0, index, payload.records.to(dev, non_blocking=True))
+            self.decode_canary.verify_landed(dst.to(dev))  # in page-table order: a misplaced row is caught
+        inserted = decode.tree.insert(payload.token_ids, dst)
+        if decode.host_tier is not None:
+            decode.host_tier.free_rows(inserted.revived_host_rows)
+        decode.pool.free(inserted.duplicate_slots)
+        self.stats.requests += 1
+        self.stats.slots += n
+        self.stats.bytes += payload.num_bytes
+        self.stats.duplicate_slots += inserted.duplicate_slots.numel()
+        for h in self.hooks:
+            h.after_receive(payload, dst)
+        return dst
+
+
+@dataclass
+class PDCounts:
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    request_ids: list[int] = field(default_factory=list)  # decode-engine ids, workload order (-1: not yet)
+
+
+def run_pd_workload(transfer: KVTransfer, workload: Workload, progress: Progress | None = None) -> PDCounts:
+    """Drive ``workload`` through the split: requests arrive at the prefill engine (one step
+    per tick), each finished prefill is transferred and its request (prompt + first token)
+    added to the decode engine, which steps once per tick; marked requests are aborted on the
+    decode side after ``abort_after`` tokens. Exceptions of either engine's step propagate."""
+    prefill, decode = transfer.prefill, transfer.decode
+    reqs, out = workload.requests, PDCounts(requests=len(workload.requests))
+    out.prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    out.request_ids = [-1] * len(reqs)
+    pending: dict[int, int] = {}  # prefill id -> workload index
+    to_abort: dict[int, int] = {}  # decode id -> tokens after which it is aborted
+    first_tokens: dict[int, int] = {}
+    tick, added = 0, 0
+    while added < len(reqs) or prefill.has_unfinished or decode.has_unfinished:
+        if not (prefill.has_unfinished or decode.has_unfinished):
+            tick = max(tick, reqs[added].arrival_step)
+        while added < len(reqs) and reqs[added].arrival_step <= tick:
+            pending[prefill.add_request(list(reqs[added].prompt_ids), 1)] = added
+            added += 1
+        if prefill.has_unfinished:
+            t0 = time.perf_counter()
+            result = prefill.step()
+            out.prefill_seconds += time.perf_counter() - t0
+            out.prefill_steps += result.step_index >= 0
+            first_tokens |= result.new_tokens
+            for pid in result.finished_ids:
+                i = pending.pop(pid)
+                r = reqs[i]
+                payload = transfer.send(pid, r.prompt_ids)
+                if payload is not None:
+                    transfer.receive(payload)
+                first = first_tokens.pop(pid)
+                if r.max_new_tokens < 2:  # done with its first token: nothing to decode
+                    out.generated_tokens += 1
+                    continue
+                rid = decode.add_request([*r.prompt_ids, first], r.max_new_tokens - 1)
+                out.request_ids[i] = rid
+                if r.abort_after:
+                    to_abort[rid] = r.abort_after
+        for rid, after in list(to_abort.items()):
+            req = decode.requests[rid]
+            if req.status is RequestStatus.RUNNING and len(req.output_ids) >= after:
+                out.aborted += decode.abort(rid)
+                del to_abort[rid]
+            elif req.status is RequestStatus.FINISHED:
+                del to_abort[rid]
+        if decode.has_unfinished:
+            t0 = time.perf_counter()
+            result = decode.step()
+            out.decode_seconds += time.perf_counter() - t0
+            out.decode_steps += result.step_index >= 0
+        tick += 1
+        if progress is not None:
+            done = sum(decode.requests[i].status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+                       for i in out.request_ids if i >= 0)
+            progress(done, len(reqs))
+    ids = [i for i in out.request_ids if i >= 0]
+    out.finished = sum(decode.requests[i].status is RequestStatus.FINISHED for i in ids)
+    out.finished += sum(r.max_new_tokens < 2 for r in reqs)
+    out.generated_tokens += sum(1 + len(decode.requests[i].output_ids) for i in ids)
+    return out
