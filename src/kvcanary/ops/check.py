@@ -19,11 +19,12 @@ overflows and every prefix entry is checked whatever its count.
 | truth, truth_lens | int32[rows, w], int64[bs] | token history per row (optional)                 |
 | lut, window       | int64[n], int        | sliding-window pool: slot translation, window (0 = full) |
 
-One launch, ``1 + bs * split + cdiv(T, 1024)`` programs. Programs take tickets from a device
-counter in the order they start (``Workspace.sync``), so waiting on a lower ticket cannot
-deadlock: ticket 0 computes the write offsets and seeds, the next ``bs * split`` tickets verify
-request ``r`` (split ``s`` walks positions ``lo + s*B, lo + (s + split)*B, ...``), and the rest
-handle 1024 written tokens each. Writers wait until every verifier is done (so a verifier never
+One launch, ``1 + bs * split + cdiv(T, B)`` programs (B = 1024 tokens for HEAD, 128 for TAIL).
+Programs take tickets from a device counter in the order they start (``Workspace.sync``), so
+waiting on a lower ticket cannot deadlock: ticket 0 computes the write offsets and seeds, the next
+``bs * split`` tickets verify request ``r`` (split ``s`` walks positions ``lo + s*V, lo + (s +
+split)*V, ...``), and the rest
+handle B written tokens each. Writers wait until every verifier is done (so a verifier never
 sees a record this forward writes), then continue the chain across blocks with a decoupled
 look-back over per-block sums (a flag per block: aggregate ready, with or without a segment start,
 or inclusive prefix ready; tagged with a per-launch epoch, so nothing is reset between launches;
@@ -69,6 +70,7 @@ from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.verify import verify
 
 WRITE_BLOCK = 1024
+RECORD_BLOCK = 128
 TARGET_PROGRAMS = 1024
 _SYNC_TICKET, _SYNC_PRE_DONE, _SYNC_FINISHED, _SYNC_EPOCH = range(4)
 
@@ -357,6 +359,7 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
         tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
     elif NUM_SOURCES > 0:
         for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
+
             tc = block_start + c + tl.arange(0, 32).to(tl.int64)
             lc = tc < n
             slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
@@ -458,7 +461,9 @@ def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefi
     elif split < 1:
         raise ValueError(f"split {split} < 1")
     n_verify = bs * split
-    n_write = cdiv(n, WRITE_BLOCK) if (stamp or fp_sources) else 0
+    # HEAD: 1024 tokens a program (the look-back scan); TAIL: 128 fingerprints a program (4 tiles of 32)
+    block_t = WRITE_BLOCK if stamp else RECORD_BLOCK
+    n_write = cdiv(n, block_t) if (stamp or fp_sources) else 0
     grid = 1 + n_verify + n_write
     meta = source_meta(fp_sources, mode, device) if meta is None and fp_sources else meta
     truth_t = truth if truth is not None else req_to_token
@@ -472,4 +477,4 @@ def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefi
         truth_t.shape[1], window, canary.shape[0], ring.shape[0], tag, split, n_verify, grid,
         STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
         NBITS=num_bits(bs), BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4,
-        BLOCK_T=WRITE_BLOCK, num_warps=4)
+        BLOCK_T=block_t, num_warps=4)
