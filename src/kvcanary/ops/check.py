@@ -53,7 +53,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
-from kvcanary.ops._jit import append_violations, find_segment, link64, seg_add
+from kvcanary.ops._jit import find_segment, link64, seg_add
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
@@ -67,7 +67,8 @@ from kvcanary.ops.fingerprint import (
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
-from kvcanary.ops.verify import verify
+from kvcanary.ops.stamp import stamp_lanes
+from kvcanary.ops.verify import check_entries, verify
 
 WRITE_BLOCK = 1024
 RECORD_BLOCK = 128
@@ -223,42 +224,8 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         if HAS_TRUTH:
             known = m & (p < tlen) & (p < truth_width)
             etok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1).to(tl.int64)
-        epos = p
-        live = m & (slot != 0)
-        inside = live & (slot > 0) & (slot < num_slots)
-        wild = live & ~inside
-        rec = words_ptr + tl.where(inside, slot, 0) * 4
-        tok = tl.load(rec + 0, mask=inside, other=-1)
-        pos = tl.load(rec + 1, mask=inside, other=-1)
-        chain = tl.load(rec + 2, mask=inside, other=-1).to(tl.uint64, bitcast=True)
-        pred_ok = inside & (pred > 0) & (pred < num_slots)
-        prec = words_ptr + tl.where(pred_ok, pred, 0) * 4
-        p_tok = tl.load(prec + 0, mask=pred_ok, other=0)
-        p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
-        p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
-        exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
-        chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
-        pos_bad = (inside & (pos != epos)) | wild
-        tok_bad = inside & (etok != -1) & (tok != etok)
-        fp_bad = tl.zeros_like(inside)
-        stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
-        exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
-        if NUM_SOURCES > 0:
-            # lanes outside ``inside`` load nothing (masked); their address is never dereferenced
-            exp_fp = fold_sources(slot, inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
-            stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
-            fp_bad = inside & (stored_fp != exp_fp)
-        reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
-                   + tok_bad.to(tl.int64) * 32)
-        minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
-        stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
-                                                     tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
-        want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
-                        tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
-                                 tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
-        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
-                          reasons)
-        checked += tl.sum(live.to(tl.int64), 0)
+        checked += check_entries(words_ptr, slot, pred, p, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag,
+                                 w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
 
 
@@ -320,43 +287,21 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
         tl.debug_barrier()
         tl.atomic_xchg(flag_ptr + w, epoch4 + 3, sem="release")
         excl += tl.where((r == r0) & open_seg, carry, 0)
-        s = tl.load(seed_ptr + r, mask=has, other=-1)
-        seed_ok = has & (s > 0) & (s < num_slots)
-        s = tl.where(seed_ok, s, 0)
-        s_tok = tl.load(words_ptr + s * 4 + 0, mask=seed_ok, other=0)
-        s_pos = tl.load(words_ptr + s * 4 + 1, mask=seed_ok, other=0)
-        s_chain = tl.load(words_ptr + s * 4 + 2, mask=seed_ok, other=0).to(tl.uint64, bitcast=True)
-        base = tl.where(seed_ok, s_chain + link64(s_tok, s_pos), 0x4B5643414E415259)
-        chain = base + excl
         slot = tl.load(loc_ptr + t, mask=live, other=0)
         if HAS_LUT:
             slot = _translate(slot, lut_ptr, lut_len, True)
         row = tl.load(rpi_ptr + r, mask=has, other=0)
-        real = has & (row != 0)
-        ok = real & (slot > 0) & (slot < num_slots)
-        p_w = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
-        exp_pos = p_w
-        pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
-        exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
         exp_tok = ids
-        if HAS_TRUTH:
+        if HAS_TRUTH:  # gather_expected_tokens, inline
+            p_w = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
             end = tl.load(woff_ptr + r + 1, mask=has, other=0)
             tlen = tl.load(tlen_ptr + r, mask=has, other=0)
             known = has & (start <= t) & (t < end) & (row >= 1) & (row < rows) & (p_w >= 0) \
                 & (p_w < tlen) & (p_w < truth_width)
             exp_tok = tl.where(known, tl.load(truth_ptr + row * truth_stride + p_w, mask=known, other=0).to(tl.int64),
                                ids)
-        tok_bad = real & (ids != exp_tok)
-        reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
-        dst = words_ptr + tl.where(ok, slot, 0) * 4
-        tl.store(dst + 0, ids, mask=ok)
-        tl.store(dst + 1, pos, mask=ok)
-        tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
-        tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
-        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
-                          tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
-        n_ok = tl.sum(ok.to(tl.int64), 0)
-        tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
+        stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
+                    ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
     elif NUM_SOURCES > 0:
         for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
 

@@ -133,6 +133,38 @@ def _stamp_tails_kernel(ids_ptr, pos_ptr, woff_ptr, tails_ptr, n, bs, NBITS: tl.
 
 
 @triton.jit
+def stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
+                ring_ptr, counter_ptr, ring_cap, stats_ptr, tag):
+    """Stamp the lanes of one block once their exclusive link sums ``excl`` are known: continue
+    from the seed record, check positions and tokens, write the records of valid slots, report,
+    count. ``slot`` is already translated; ``row`` is request r's page-table row."""
+    s = tl.load(seed_ptr + r, mask=has, other=-1)
+    seed_ok = has & (s > 0) & (s < num_slots)
+    s = tl.where(seed_ok, s, 0)
+    s_tok = tl.load(words_ptr + s * 4 + 0, mask=seed_ok, other=0)
+    s_pos = tl.load(words_ptr + s * 4 + 1, mask=seed_ok, other=0)
+    s_chain = tl.load(words_ptr + s * 4 + 2, mask=seed_ok, other=0).to(tl.uint64, bitcast=True)
+    base = tl.where(seed_ok, s_chain + link64(s_tok, s_pos), 0x4B5643414E415259)
+    chain = base + excl
+    real = has & (row != 0)
+    ok = real & (slot > 0) & (slot < num_slots)
+    exp_pos = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
+    pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
+    exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
+    tok_bad = real & (ids != exp_tok)
+    reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
+    dst = words_ptr + tl.where(ok, slot, 0) * 4
+    tl.store(dst + 0, ids, mask=ok)
+    tl.store(dst + 1, pos, mask=ok)
+    tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
+    tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
+                      tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
+    n_ok = tl.sum(ok.to(tl.int64), 0)
+    tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
+
+
+@triton.jit
 def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, woff_ptr, seed_ptr, exp_ptr, lut_ptr,
                   tails_ptr, ring_ptr, counter_ptr, stats_ptr, n, bs, num_slots, lut_len, ring_cap, tag,
                   HAS_EXPECTED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_CARRY: tl.constexpr, NBITS: tl.constexpr,
@@ -165,37 +197,15 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
             bb = b + lane
             carry += tl.sum(tl.load(tails_ptr + bb, mask=bb < pid, other=0).to(tl.uint64, bitcast=True), 0)
     excl += tl.where((r == r0) & (s0 < block_start), carry, 0)
-    s = tl.load(seed_ptr + r, mask=has, other=-1)
-    seed_ok = has & (s > 0) & (s < num_slots)
-    s = tl.where(seed_ok, s, 0)
-    s_tok = tl.load(words_ptr + s * 4 + 0, mask=seed_ok, other=0)
-    s_pos = tl.load(words_ptr + s * 4 + 1, mask=seed_ok, other=0)
-    s_chain = tl.load(words_ptr + s * 4 + 2, mask=seed_ok, other=0).to(tl.uint64, bitcast=True)
-    base = tl.where(seed_ok, s_chain + link64(s_tok, s_pos), 0x4B5643414E415259)
-    chain = base + excl
     slot = tl.load(loc_ptr + t, mask=live, other=0)
     if HAS_LUT:
         slot = _translate(slot, lut_ptr, lut_len, True)
     row = tl.load(rpi_ptr + r, mask=has, other=0)
-    real = has & (row != 0)
-    ok = real & (slot > 0) & (slot < num_slots)
-    exp_pos = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
-    pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
-    exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
     exp_tok = ids
     if HAS_EXPECTED:
         exp_tok = tl.load(exp_ptr + t, mask=live, other=0)
-    tok_bad = real & (ids != exp_tok)
-    reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
-    dst = words_ptr + tl.where(ok, slot, 0) * 4
-    tl.store(dst + 0, ids, mask=ok)
-    tl.store(dst + 1, pos, mask=ok)
-    tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
-    tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
-    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
-                      tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
-    n_ok = tl.sum(ok.to(tl.int64), 0)
-    tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
+    stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
+                ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
 
 
 def stamp(*, canary: torch.Tensor, out_cache_loc: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -109,6 +109,50 @@ def _verify_torch(canary, plan, ring, counter, stats, tag, sources, mode):
 
 
 @triton.jit
+def check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag, w0_ptr,
+                  w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """The checks of the module doc on BLOCK entries (int64 lanes; ``m`` masks the live ones):
+    violations to the ring; returns the number of entries checked (slot != 0)."""
+    live = m & (slot != 0)
+    inside = live & (slot > 0) & (slot < num_slots)
+    wild = live & ~inside
+    rec = words_ptr + tl.where(inside, slot, 0) * 4
+    tok = tl.load(rec + 0, mask=inside, other=-1)
+    pos = tl.load(rec + 1, mask=inside, other=-1)
+    chain = tl.load(rec + 2, mask=inside, other=-1).to(tl.uint64, bitcast=True)
+    pred_ok = inside & (pred > 0) & (pred < num_slots)
+    prec = words_ptr + tl.where(pred_ok, pred, 0) * 4
+    p_tok = tl.load(prec + 0, mask=pred_ok, other=0)
+    p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
+    p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
+    exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
+    chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
+    pos_bad = (inside & (pos != epos)) | wild
+    tok_bad = inside & (etok != -1) & (tok != etok)
+    fp_bad = tl.zeros_like(inside)
+    stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+    exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+    if NUM_SOURCES > 0:
+        # lanes outside ``inside`` load nothing (masked): their address is never dereferenced (and a
+        # select here once broke a layout pass of the sm_90 compiler)
+        exp_fp = fold_sources(slot, inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
+        stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
+        fp_bad = inside & (stored_fp != exp_fp)
+    reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
+               + tok_bad.to(tl.int64) * 32)
+    minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
+    stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
+                                                 tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
+    want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
+                    tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
+                             tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
+                      reasons)
+    return tl.sum(live.to(tl.int64), 0)
+
+
+@triton.jit
 def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, enable_ptr, ring_ptr, counter_ptr,
                    stats_ptr, cap, num_slots, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
                    NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -127,41 +171,8 @@ def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, e
         pred = tl.load(pred_ptr + e, mask=m, other=-1).to(tl.int64)
         epos = tl.load(pos_ptr + e, mask=m, other=0).to(tl.int64)
         etok = tl.load(tok_ptr + e, mask=m, other=-1).to(tl.int64)
-        live = m & (slot != 0)
-        inside = live & (slot > 0) & (slot < num_slots)
-        wild = live & ~inside
-        rec = words_ptr + tl.where(inside, slot, 0) * 4
-        tok = tl.load(rec + 0, mask=inside, other=-1)
-        pos = tl.load(rec + 1, mask=inside, other=-1)
-        chain = tl.load(rec + 2, mask=inside, other=-1).to(tl.uint64, bitcast=True)
-        pred_ok = inside & (pred > 0) & (pred < num_slots)
-        prec = words_ptr + tl.where(pred_ok, pred, 0) * 4
-        p_tok = tl.load(prec + 0, mask=pred_ok, other=0)
-        p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
-        p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
-        exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
-        chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
-        pos_bad = (inside & (pos != epos)) | wild
-        tok_bad = inside & (etok != -1) & (tok != etok)
-        fp_bad = tl.zeros_like(inside)
-        stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
-        exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
-        if NUM_SOURCES > 0:
-            exp_fp = fold_sources(tl.where(inside, slot, 1), inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                                  NUM_SOURCES, BLOCK, BLOCK_W)
-            stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
-            fp_bad = inside & (stored_fp != exp_fp)
-        reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
-                   + tok_bad.to(tl.int64) * 32)
-        minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
-        stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
-                                                     tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
-        want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
-                        tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
-                                 tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
-        append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
-                          reasons)
-        checked += tl.sum(live.to(tl.int64), 0)
+        checked += check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap,
+                                 tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
     if pid == 0:
         tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
