@@ -219,6 +219,7 @@ def run(
             write_incident(result, page, title=f"kv-canary run: {report.name}")
             console.print(f"incident report written to {page}", highlight=False)
         except ImportError:  # matplotlib comes with the server extra
-            console.print("no HTML incident report: install kv-canary[server] for matplotlib", highlight=False)
+            console.print("no HTML incident report: install kv-canary[server] for matplotlib", highlight=False,
+                          markup=False)
     if result["violations"] or result["watchdog_alarms"] or result["stopped"]:
         raise typer.Exit(1)
