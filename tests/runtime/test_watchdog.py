@@ -98,3 +98,22 @@ def test_quiet_on_a_clean_run(sweep_interval, engine):
     assert out.alarms == [] and out.hooks.canary.totals.watchdog_alarms == 0
     sweeps = out.hooks.canary.counters()["SWEEP"]["launches"]
     assert (sweeps > 0) == (sweep_interval > 0)
+
+
+def test_landed_copies_without_periodic_sweeps_never_fire():
+    """Load-backs launch SWEEP checks now and then; with sweep_interval 0 nobody promised more."""
+    out = run_once(small_setup(sweep_interval=0))
+    assert out.engine.stats.num_loaded_slots > 0 and out.hooks.canary.counters()["SWEEP"]["launches"] > 0
+    assert out.alarms == [] and out.hooks.canary.totals.watchdog_alarms == 0
+
+
+def test_unit_sweep_silence_fires_only_with_periodic_sweeps():
+    for periodic, want in ((True, [LaunchPoint.SWEEP]), (False, [])):
+        dog, stats = Watchdog(window=2, periodic_sweeps=periodic), new_stats()
+        launches(stats, LaunchPoint.SWEEP)
+        alarms = []
+        for _ in range(6):
+            launches(stats, LaunchPoint.HEAD)
+            launches(stats, LaunchPoint.TAIL)
+            alarms += [a.point for a in dog.observe(stats)]
+        assert alarms == want, periodic

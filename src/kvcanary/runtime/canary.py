@@ -119,7 +119,7 @@ class Canary:
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         self.reporter = Reporter(self.ring, self.ring_counter, self.stats)
-        self.watchdog = Watchdog(config.watchdog_steps)
+        self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.host_rows: torch.Tensor | None = None
         self._sweep_cursor = 0
@@ -150,6 +150,8 @@ class Canary:
         Not capturable (its input sizes change every step); run it before a graph replay."""
         if not self.config.enabled:
             return
+        if b.batch_size > self.config.max_bs:
+            raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
         self._meta.batch = b
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only

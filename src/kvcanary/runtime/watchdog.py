@@ -1,8 +1,9 @@
 """Watchdog: fails loudly when a launch point's launch counter stops advancing.
 
-HEAD and TAIL must launch in every step that ran a forward; SWEEP is expected only once it has
-launched at least once (an engine without a prefix cache never sweeps). A point silent for more
-than ``window`` steps fires once, until it launches again.
+HEAD and TAIL must launch in every step that ran a forward; SWEEP is expected only when sweeps are
+periodic and once it has launched at least once (an engine without a prefix cache never sweeps;
+without periodic sweeps SWEEP launches only for landed copies, whenever they come). A point
+silent for more than ``window`` steps fires once, until it launches again.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class WatchdogAlarm:
 
 
 class Watchdog:
-    def __init__(self, window: int):
-        self.window = window
+    def __init__(self, window: int, periodic_sweeps: bool = True):
+        self.window, self.periodic_sweeps = window, periodic_sweeps
         self._last = {p: 0 for p in LaunchPoint}
         self._since = {p: 0 for p in LaunchPoint}
         self._seen = {LaunchPoint.HEAD: True, LaunchPoint.TAIL: True, LaunchPoint.SWEEP: False}
@@ -40,7 +41,8 @@ class Watchdog:
                 self._last[p], self._since[p], self._seen[p], self._fired[p] = launches, 0, True, False
                 continue
             self._since[p] += steps
-            if self._seen[p] and self._since[p] > self.window and not self._fired[p]:
+            watched = self._seen[p] and (p is not LaunchPoint.SWEEP or self.periodic_sweeps)
+            if watched and self._since[p] > self.window and not self._fired[p]:
                 self._fired[p] = True
                 alarms.append(WatchdogAlarm(p, self._since[p], self.window))
         return alarms
