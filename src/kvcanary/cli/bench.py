@@ -12,12 +12,14 @@ import typer
 
 from kvcanary.bench.ops import run_ops
 from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
+from kvcanary.bench.step import run_step_command
 from kvcanary.cli._app import DeviceName, app
 
 
 class BenchWhat(str, enum.Enum):
     ops = "ops"
     overhead = "overhead"
+    step = "step"
     all = "all"
 
 
@@ -25,7 +27,9 @@ class BenchWhat(str, enum.Enum):
                   "verify, fingerprint) beside its bandwidth floor; 'overhead' measures the canary's device time per "
                   "step over the bandwidth floor of an 8B-shaped model's step, per mode (identity, real-KV partial / "
                   "all, sweeps, truth checks) and shape (decode bs 1/64/256 at 512/4096/32768, prefill of 16384 "
-                  "tokens at bs 1 and 32); 'all' runs both. On CUDA every figure is a median in CUDA-graph replay; "
+                  "tokens at bs 1 and 32); 'step' times a real 8B-shaped decoder step (CUDA only; exit status 2 "
+                  "elsewhere) with the canary off and on, beside its floor; 'all' runs ops and overhead. On CUDA "
+                  "every figure is a median in CUDA-graph replay; "
                   "on the CPU eager calls are timed with perf_counter. Prints a table last; exit status 1 when a "
                   "cross-check differs, a timed step reports a violation or a part fails.")
 def bench(
@@ -54,6 +58,8 @@ def bench(
             raise typer.BadParameter(f"got {modes!r}; expected a comma-separated subset of {sorted(known)}",
                                      param_hint="--modes")
     dev = torch.device(device.value)
+    if what is BenchWhat.step:
+        raise typer.Exit(run_step_command(dev, quick=quick, json_path=json_path, markdown=markdown, seed=seed))
     single = what is not BenchWhat.all
     results, passed = {}, True
     if what in (BenchWhat.ops, BenchWhat.all):

@@ -421,5 +421,5 @@ def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefi
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, canary.shape[0], ring.shape[0], tag, split, n_verify, grid,
         STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
-        NBITS=num_bits(bs), BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4,
-        BLOCK_T=block_t, num_warps=4)
+        NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
+        BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)

@@ -101,7 +101,8 @@ def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag) -> 
     pool_out[req_pool_indices[r], col] = flat_in[offsets[r] + col].to(torch.int32)
 
 
-@triton.jit
+# the sizes vary with every batch: specialising on them would compile a variant per shape
+@triton.jit(do_not_specialize=["n", "bs", "rows", "width", "out_stride"])
 def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, width, out_stride,
                     BLOCK: tl.constexpr):
     """Program (r, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:

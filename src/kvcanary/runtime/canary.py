@@ -48,6 +48,7 @@ from kvcanary.ops.verify import verify
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
+from kvcanary.runtime.warmup import warm_up
 from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
 
 log = logging.getLogger("kvcanary")
@@ -101,7 +102,7 @@ class CanaryTotals:
 
 class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
-                 pool: PoolKind = PoolKind.FULL, window: int = 0):
+                 pool: PoolKind = PoolKind.FULL, window: int = 0, warmup: bool = True):
         self.config, self.geometry, self.pool = config, geometry, pool
         self.window = window  # > 0: a sliding-window pool, addressed through ForwardBatch.slot_lut
         dev = torch.device(geometry.device)
@@ -125,6 +126,13 @@ class Canary:
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
+        self.warmup_seconds = self.warmup() if warmup and dev.type == "cuda" else 0.0
+
+    def warmup(self) -> float:
+        """Compile every kernel variant this canary launches, so no step pays a compile; runs on
+        construction on CUDA (``warmup=False`` skips it). Touches no record; returns seconds."""
+        self.warmup_seconds = warm_up(self)
+        return self.warmup_seconds
 
     def tag(self, point: LaunchPoint) -> int:
         return LaunchTag(point, self.pool).value

@@ -1,0 +1,403 @@
+"""``kv-canary bench step``: the canary's cost on a real 8B-shaped decoder step, on CUDA.
+
+Every step shape runs the whole model (``bench/step_model.py``: 32 layers of products over random
+bf16 weights, RoPE, K/V written into the pool at ``out_cache_loc``, paged attention through the
+page table, the vocabulary product) in one CUDA graph, three ways, replayed interleaved in one run:
+
+| mode     | graph                                                        |
+|----------|--------------------------------------------------------------|
+| off      | the forward                                                  |
+| identity | ``Canary.launch_head``, the forward, ``Canary.tail`` (real-KV none) |
+| partial  | the same, real-KV partial over K and V of layers 0 and 31    |
+
+``prepare_head`` (host-fed) runs outside the graphs. Each repeat times every mode once, in a
+rotating order, over batches of replays (CUDA events); figures are medians over repeats with
+their min-max spread, and ``on / off`` is the median of the per-repeat ratios. Each step is put
+beside its floor, the larger of (weights + K/V read + K/V written) / measured copy bandwidth and
+FLOPs / measured bf16 product rate, and must stay within ``FLOOR_TARGET`` of it. The timed
+on-steps must report zero violations; a tripwire (one corrupted prefix record or K word, one
+replay) must report some. The warm-up section times building a canary (its kernels compiled
+by ``Canary.warmup``) and a canary's first step against its steady step, with and without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.bench import timing
+from kvcanary.bench.floors import StepShape
+from kvcanary.bench.results import RunRecord, fmt
+from kvcanary.bench.step_model import Decoder, DecoderShape, StepAttention
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.core.record import CHAIN, Half, record_words
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.canary import Canary, PoolGeometry
+
+FLOOR_TARGET = 1.5
+MODEL = DecoderShape()
+SHAPES = (StepShape.decode(1, 512), StepShape.decode(1, 4096), StepShape.decode(64, 512), StepShape.decode(64, 4096),
+          StepShape.decode(256, 512), StepShape.decode(16, 32768), StepShape.prefill(16384, 1),
+          StepShape.prefill(16384, 4))
+QUICK_SHAPES = (StepShape.decode(1, 512), StepShape.decode(64, 4096), StepShape.prefill(16384, 1))
+MODES = {"identity": FingerprintMode.NONE, "partial": FingerprintMode.PARTIAL}
+BATCH_MS = 10.0  # a timed batch of replays lasts about this long
+
+
+@dataclass(frozen=True)
+class StepCost:
+    bytes: int
+    flops: int
+
+    def floor_us(self, copy_GBps: float, tflops: float) -> tuple[float, str]:
+        by_bytes, by_flops = timing.floor_us(self.bytes, copy_GBps), self.flops / tflops / 1e6
+        return (by_bytes, "bytes") if by_bytes >= by_flops else (by_flops, "FLOPs")
+
+
+def step_cost(model: DecoderShape, shape: StepShape, weight_bytes: int) -> StepCost:
+    """The least a step must move and compute.
+
+    | part        | bytes / FLOPs                                                         |
+    |-------------|-----------------------------------------------------------------------|
+    | weights     | ``weight_bytes`` (every layer, the final norm, the vocabulary product) |
+    | K/V         | (bs * context read + T written) * kv_bytes_per_token                   |
+    | products    | 2 * T * num_layers * layer_params + 2 * bs * hidden * vocab            |
+    | attention   | 4 * num_layers * H * D * (keys each query sees, summed)                |
+
+    ``T = bs * extend``; query ``c`` of a request sees ``context + c + 1`` keys."""
+    tokens = shape.bs * shape.extend
+    kv = (shape.bs * shape.context + tokens) * model.kv_bytes_per_token
+    seen = shape.bs * (shape.extend * shape.context + shape.extend * (shape.extend + 1) // 2)
+    flops = (2 * tokens * model.num_layers * model.layer_params + 2 * shape.bs * model.hidden * model.vocab
+             + 4 * model.num_layers * model.num_heads * model.head_dim * seen)
+    return StepCost(weight_bytes + kv, flops)
+
+
+def pool_pages(shapes, page_size: int) -> int:
+    """Pages of a pool that holds the largest shape's requests, plus page 0 (slot 0 is reserved)."""
+    return 1 + max(s.bs * -(-(s.context + s.extend) // page_size) for s in shapes)
+
+
+class StepBatch:
+    """One shape's page table (random pages of ``page_size`` slots), token history, and the
+    fill (writes every prefix) and step batches; request r uses page-table row r + 1."""
+
+    def __init__(self, shape: StepShape, num_pages: int, page_size: int, device, gen, vocab: int):
+        bs, held = shape.bs, shape.context + shape.extend
+        per_req = -(-held // page_size)
+        pages = torch.randperm(num_pages - 1, generator=gen, device=device)[: bs * per_req] + 1
+        cols = torch.arange(held, device=device)
+        slots = pages.view(bs, per_req)[:, cols // page_size] * page_size + cols % page_size
+        self.shape, self.held = shape, held
+        self.table = torch.zeros(bs + 1, held, dtype=torch.int32, device=device)
+        self.table[1:] = slots.to(torch.int32)
+        self.tokens = torch.randint(1, vocab, (bs + 1, held), generator=gen, device=device)
+        self.fill = self._batch(shape.bs, 0, shape.context) if shape.context else None
+        self.step = self._batch(shape.bs, shape.context, shape.extend)
+
+    def _batch(self, bs: int, prefix: int, extend: int) -> ForwardBatch:
+        dev = self.table.device
+        rows = torch.arange(1, bs + 1, device=dev)
+        pos = torch.arange(prefix, prefix + extend, device=dev).repeat(bs)
+        row_of = rows.repeat_interleave(extend)
+        return ForwardBatch(req_pool_indices=rows, prefix_lens=torch.full((bs,), prefix, device=dev),
+                            extend_lens=torch.full((bs,), extend, device=dev), req_to_token=self.table,
+                            input_ids=self.tokens[row_of, pos], positions=pos,
+                            out_cache_loc=self.table[row_of, pos].long())
+
+
+def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots: int, warmup: bool = True):
+    """A Canary over the pool with K and V of the first and last layer as sources, its prefix
+    stamped and fingerprinted through the canary itself; returns (canary, seconds to build)."""
+    last = model.shape.num_layers - 1
+    sources = [KVSource.from_buffer(buf[layer], half=half, layer=layer) for layer in (0, last)
+               for half, buf in ((Half.K, model.k_buffers), (Half.V, model.v_buffers))]
+    config = CanaryConfig(policy=Policy.LOG, real_kv=mode, max_bs=sb.shape.bs + 1,
+                          max_tokens=max(sb.shape.bs * max(sb.shape.context, sb.shape.extend), 1))
+    t0 = time.perf_counter()
+    canary = Canary(config, PoolGeometry(num_slots, sb.table.shape[0], sb.held, str(sb.table.device)),
+                    sources=sources, warmup=warmup)
+    timing.synchronize(sb.table.device)
+    built = time.perf_counter() - t0
+    if sb.fill is not None:
+        canary.head(sb.fill)
+        canary.tail(sb.fill)
+    return canary, built
+
+
+def _violations(canary: Canary) -> int:
+    return int(canary.ring_counter[0])
+
+
+def capture(fns, pool) -> torch.cuda.CUDAGraph:
+    """A graph launching ``fns`` in order (already run eagerly, so every kernel is compiled)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        timing.run_all(fns)
+    return graph
+
+
+def interleaved(graphs: dict, repeats: int) -> dict[str, list[float]]:
+    """µs per step of each graph, one batch of replays per graph per repeat, rotating the order."""
+    names = list(graphs)
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graphs[names[0]].replay()
+    torch.cuda.synchronize()
+    one_ms = (time.perf_counter() - t0) * 1e3
+    reps = max(1, min(10, round(BATCH_MS / max(one_ms, 1e-3))))
+    out = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        events = []
+        for n in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graphs[n].replay()
+            end.record()
+            events.append((n, start, end))
+        torch.cuda.synchronize()
+        for n, start, end in events:
+            out[n].append(start.elapsed_time(end) * 1e3 / reps)
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def tripwire(canary: Canary, graph, sb: StepBatch, mode: FingerprintMode) -> str:
+    """Corrupt one prefix slot (its chain, or with real-KV a K word of layer 0), replay once,
+    expect a report; restores the slot."""
+    if sb.shape.context == 0:
+        return "n/a (reads no prefix)"
+    slot = int(sb.table[1, sb.shape.context // 2])
+    if mode is FingerprintMode.NONE:
+        words, col, what = record_words(canary.canary), CHAIN, "chain"
+    else:
+        src = canary.sources[0]
+        words, col, what = src.words.view(src.num_slots, -1), 0, "K word"
+    before = _violations(canary)
+    saved = words[slot, col].clone()
+    words[slot, col] ^= 1
+    graph.replay()
+    torch.cuda.synchronize()
+    words[slot, col] = saved
+    caught = _violations(canary) - before
+    return f"detected ({what}, {caught} rows)" if caught else f"MISSED ({what} corruption not reported)"
+
+
+def host_us(canary: Canary, graph, batch: ForwardBatch, steps: int = 30) -> dict:
+    """Wall µs per step of the canary's host work outside the graph (prepare_head + end_step),
+    each step replayed between them as an engine would."""
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        canary.prepare_head(batch)
+        t1 = time.perf_counter()
+        graph.replay()
+        t2 = time.perf_counter()
+        canary.end_step(i)
+        times.append((t1 - t0 + time.perf_counter() - t2) * 1e6)
+    torch.cuda.synchronize()
+    return spread(times[min(3, steps - 1):])
+
+
+def first_vs_steady(canary: Canary, batch: ForwardBatch, steps: int = 10) -> dict:
+    """Wall µs of a canary's first eager HEAD + TAIL (synchronised) and the median of the next ones."""
+    out = []
+    for _ in range(steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        canary.head(batch)
+        canary.tail(batch)
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return {"first_us": out[0], "steady_us": statistics.median(out[1:]), "violations": _violations(canary)}
+
+
+def warmup_study(model: Decoder, sb: StepBatch, num_slots: int) -> dict:
+    """Build time with warm-up (kernels compiled on construction), first vs steady step, and a
+    canary built without warm-up in a mode not compiled before (real-KV all): what a step pays."""
+    out = {}
+    for label, mode, warm in (("partial, warm-up on construction", FingerprintMode.PARTIAL, True),
+                              ("identity, warm-up on construction", FingerprintMode.NONE, True),
+                              ("partial, again (kernels cached)", FingerprintMode.PARTIAL, True),
+                              ("all, no warm-up", FingerprintMode.ALL, False)):
+        canary, built = build_canary(model, sb, mode, num_slots, warmup=warm)
+        row = {"build_s": built, "warmup_s": canary.warmup_seconds} | first_vs_steady(canary, sb.step)
+        out[label] = row
+        print(f"warm-up   {label:<36} build {built:8.3f} s (warm-up {canary.warmup_seconds:.3f} s); first step "
+              f"{row['first_us']:>12.0f} µs, steady {row['steady_us']:>8.0f} µs", flush=True)
+        del canary
+    return out
+
+
+def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: int, gen, repeats: int,
+                  rates: dict) -> dict:
+    dev = model.device
+    num_slots = num_pages * page_size
+    sb = StepBatch(shape, num_pages, page_size, dev, gen, model.shape.vocab)
+    attn = StepAttention(model.shape, sb.step, shape.kind == "decode", sb.held, shape.extend)
+    logits = torch.empty(shape.bs, model.shape.vocab, dtype=model.dtype, device=dev)
+    canaries = {name: build_canary(model, sb, mode, num_slots)[0] for name, mode in MODES.items()}
+    fns = {"off": [lambda: model.forward(sb.step, attn, logits)]}
+    for name, c in canaries.items():
+        c.prepare_head(sb.step)
+        fns[name] = [lambda c=c: c.launch_head(sb.step), fns["off"][0], lambda c=c: c.tail(sb.step)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns.values():
+            timing.run_all(f)
+    torch.cuda.current_stream().wait_stream(side)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {name: capture(f, pool) for name, f in fns.items()}
+    before = {n: _violations(c) for n, c in canaries.items()}
+    times = interleaved(graphs, repeats)
+    row = {"shape": shape.label, "kind": shape.kind, "bs": shape.bs, "context": shape.context,
+           "extend": shape.extend, "page_size": page_size, "repeats": repeats}
+    for name, ts in times.items():
+        row[name] = spread(ts)
+    for name in MODES:
+        ratios = [on / off for on, off in zip(times[name], times["off"], strict=True)]
+        row[f"{name}_ratio"] = spread(ratios)
+        row[f"{name}_violations"] = _violations(canaries[name]) - before[name]
+        row[f"{name}_tripwire"] = tripwire(canaries[name], graphs[name], sb, MODES[name])
+    row["host_partial"] = host_us(canaries["partial"], graphs["partial"], sb.step,
+                                  steps=30 if shape.kind == "decode" else 6)
+    cost = step_cost(model.shape, shape, model.weight_bytes)
+    floor, bound = cost.floor_us(rates["copy_GBps"], rates["bf16_TFLOPs"])
+    row.update(bytes=cost.bytes, flops=cost.flops, floor_us=floor, bound=bound,
+               step_over_floor=row["off"]["median"] / floor)
+    row["floor_target"] = ("met" if row["step_over_floor"] <= FLOOR_TARGET
+                           else f"missed ({row['step_over_floor']:.2f}× its floor > {FLOOR_TARGET}×)")
+    del graphs, canaries, fns
+    return row
+
+
+def matmul_tflops(device) -> float:
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty_like(a)
+    us = timing.median_us(lambda: torch.matmul(a, b, out=c), device, 5, 10)
+    return 2 * n**3 / us / 1e6
+
+
+def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed: int = 0,
+             model_shape: DecoderShape = MODEL, shapes: tuple[StepShape, ...] | None = None, page_size: int = 16,
+             repeats: int | None = None) -> dict:
+    """Run the real-step benchmark on CUDA (see module doc); prints the table last, writes JSON
+    as it goes; returns the data with ``passed`` (no error, clean timed steps, tripwires caught)."""
+    if device.type != "cuda":
+        raise ValueError(f"bench step needs a CUDA device, got {device}")
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    meta = timing.environment(device) | {"model": vars(model_shape), "seed": seed, "page_size": page_size,
+                                         "floor_target": FLOOR_TARGET, "quick": quick}
+    record = RunRecord(json_path, meta)
+    record.data.update(rows=[], rates={}, warmup={})
+    print(f"device {meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}; {len(shapes)} shapes x "
+          f"off / {' / '.join(MODES)}", flush=True)
+    rates = record.data["rates"]
+    with record.section("rates"):
+        rates["copy_GBps"] = timing.copy_bandwidth(device, 4 << 30)
+        rates["bf16_TFLOPs"] = matmul_tflops(device)
+        print(f"rates     copy {rates['copy_GBps']:.0f} GB/s (read+written), bf16 8192^3 product "
+              f"{rates['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+        torch.cuda.empty_cache()
+    num_pages = pool_pages(shapes, page_size)
+    model = None
+    with record.section("model"):
+        t0 = time.perf_counter()
+        model = Decoder(model_shape, num_pages * page_size, device, gen)
+        torch.cuda.synchronize()
+        meta.update(num_slots=num_pages * page_size, weight_bytes=model.weight_bytes,
+                    pool_bytes=num_pages * page_size * model_shape.kv_bytes_per_token)
+        print(f"model     {model.weight_bytes / 1e9:.2f} GB of weights, pool of {num_pages * page_size} slots "
+              f"({meta['pool_bytes'] / 1e9:.1f} GB of K/V), built in {time.perf_counter() - t0:.1f} s", flush=True)
+    if model is not None and "copy_GBps" in rates:
+        with record.section("warm-up"):
+            sb = StepBatch(shapes[0], num_pages, page_size, device, gen, model_shape.vocab)
+            record.data["warmup"] = warmup_study(model, sb, num_pages * page_size)
+            del sb
+        for shape in shapes:
+            with record.section(shape.label):
+                reps = repeats or (5 if shape.kind == "prefill" else 9)
+                row = measure_shape(model, shape, num_pages, page_size, gen, reps, rates)
+                record.data["rows"].append(row)
+                print(f"time      {shape.label:<22} off {row['off']['median']:>10.1f} µs "
+                      f"({row['step_over_floor']:.2f}× "
+                      f"floor {row['floor_us']:.1f}, {row['bound']}); identity {row['identity_ratio']['median']:.4f}, "
+                      f"partial {row['partial_ratio']['median']:.4f} of off; violations "
+                      f"{row['identity_violations']}/{row['partial_violations']}; tripwires "
+                      f"{row['identity_tripwire']} / {row['partial_tripwire']}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    rows = record.data["rows"]
+    record.data["passed"] = bool(rows) and not record.errors and all(
+        r[f"{m}_violations"] == 0 and not r[f"{m}_tripwire"].startswith("MISSED") for r in rows for m in MODES)
+    record.save()
+    print(f"\nelapsed {record.data['meta']['elapsed_s']} s" + (f"; details in {json_path}" if json_path else ""))
+    print_table(record.data)
+    return record.data
+
+
+def _sp(s: dict) -> str:
+    return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+
+
+def _ratio(s: dict) -> str:
+    return f"{s['median']:.4f} [{s['min']:.4f}-{s['max']:.4f}]"
+
+
+def print_table(data: dict) -> None:
+    print(f"{'shape':<22}{'off µs [min-max]':>28}{'identity µs':>28}{'partial µs':>28}{'identity/off':>28}"
+          f"{'partial/off':>28}{'floor µs':>11}{'step/floor':>11}  target")
+    for r in data["rows"]:
+        print(f"{r['shape']:<22}{_sp(r['off']):>28}{_sp(r['identity']):>28}{_sp(r['partial']):>28}"
+              f"{_ratio(r['identity_ratio']):>28}{_ratio(r['partial_ratio']):>28}{r['floor_us']:>11.1f}"
+              f"{r['step_over_floor']:>11.2f}  {r['floor_target']} ({r['bound']})")
+    for r in data["rows"]:
+        h = r["host_partial"]
+        print(f"host      {r['shape']:<22} prepare_head + end_step {h['median']:.1f} µs "
+              f"[{h['min']:.1f}-{h['max']:.1f}]")
+    rates = data["rates"]
+    print(f"rates: copy {fmt(rates.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(rates.get('bf16_TFLOPs'), '.0f')} "
+          f"TFLOP/s; page size {data['meta']['page_size']}; on/off = median of per-repeat ratios [min-max]")
+    for e in data["errors"]:
+        print(f"error in {e['section']}: {e['error']}")
+    print(f"bench step {'passed' if data.get('passed') else 'FAILED'}: {len(data['rows'])} shapes")
+
+
+def markdown_table(data: dict) -> str:
+    out = ["| shape | off µs [min–max] | identity µs | partial µs | identity / off | partial / off | floor µs "
+           "(bound) | step / floor | host µs (partial) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        miss = "" if r["floor_target"] == "met" else " (missed 1.5×)"
+        out.append(f"| {r['shape']} | {_sp(r['off'])} | {_sp(r['identity'])} | {_sp(r['partial'])} | "
+                   f"{_ratio(r['identity_ratio'])} | {_ratio(r['partial_ratio'])} | {r['floor_us']:.1f} ({r['bound']}) "
+                   f"| {r['step_over_floor']:.2f}{miss} | {r['host_partial']['median']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+
+def run_step_command(device: torch.device, *, quick: bool, json_path, markdown, seed: int) -> int:
+    """``kv-canary bench step``; returns the exit status: 2 without CUDA, 1 when the run did not pass."""
+    if device.type != "cuda":
+        print(f"bench step needs a CUDA GPU (an 8B-shaped model in bf16); this run has {device.type}: nothing timed")
+        return 2
+    data = run_step(device, quick=quick, json_path=json_path, seed=seed)
+    if markdown is not None:
+        markdown.write_text(markdown_table(data))
+    return 0 if data["passed"] else 1

@@ -1,0 +1,89 @@
+"""Warm-up: compile every kernel variant a canary will launch before its first step.
+
+Triton compiles a kernel the first time it is launched with a new set of compile-time constants
+and argument dtypes; on an H200 that is hundreds of milliseconds to seconds per variant, paid by
+whichever step first needs it. ``warm_up`` launches each of the canary's launch points once on an
+empty batch (one padding request, nothing read, nothing written), so each variant is compiled:
+
+| launch                         | variants                                                  |
+|--------------------------------|-----------------------------------------------------------|
+| HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table |
+| the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
+| the truth scatter (truth on)   | each block size its grid picks (128, 256, 512, 1024)      |
+| SWEEP (the plan's verify)      | one                                                       |
+
+The launches touch no record (empty batches, an empty sweep plan); the launch counters, the
+violation ring's counter and the sweep plan's count are restored afterwards, so a warmed-up
+canary is indistinguishable from a fresh one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcanary.ops.scatter import scatter_req_token_ids
+from kvcanary.runtime.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from kvcanary.runtime.canary import Canary
+
+SCATTER_TOKENS = (1, 200, 300, 600)  # one request each: the scatter's BLOCK is 128, 256, 512, 1024
+
+
+def _empty_batch(canary: Canary, bs: int, truth: bool) -> ForwardBatch:
+    """``bs`` padding requests (row 0) that read and write nothing."""
+    dev = canary.canary.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    zeros = torch.zeros(bs, **i64)
+    none = torch.zeros(0, **i64)
+    rows = canary.geometry.rows  # the page table's rows must match the truth table's; one real row of memory
+    return ForwardBatch(req_pool_indices=zeros, prefix_lens=zeros, extend_lens=zeros.clone(),
+                        req_to_token=torch.zeros(1, 16, dtype=torch.int32, device=dev).expand(rows, 16), input_ids=none,
+                        positions=none.clone(), out_cache_loc=none.clone(),
+                        truth_ids=none.clone() if truth else None,
+                        truth_offsets=torch.zeros(bs + 1, **i64) if truth else None,
+                        slot_lut=torch.zeros(canary.geometry.num_slots, **i64) if canary.window else None)
+
+
+def _batch_sizes(canary: Canary) -> list[int]:
+    """One batch size per variant: the fused kernel's variants do not depend on it; the unfused
+    ops specialise their segment search on its bit length."""
+    if canary.fused:
+        return [1]
+    sizes, bs = [], 1
+    while bs <= canary.config.max_bs:
+        sizes.append(bs)
+        bs *= 2
+    return sizes
+
+
+def warm_up(canary: Canary) -> float:
+    """Launch every variant once (see module doc); returns the seconds it took (synchronised)."""
+    if not canary.config.enabled:
+        return 0.0
+    dev = canary.canary.device
+    t0 = time.perf_counter()
+    saved = [(t, t.clone()) for t in (canary.stats, canary.ring_counter, canary.sweep_plan.count,
+                                      canary.sweep_plan.enable)]
+    seconds = canary.totals.seconds
+    for truth in sorted({False, bool(canary.config.truth)}):
+        for bs in _batch_sizes(canary):
+            b = _empty_batch(canary, bs, truth)
+            canary.launch_head(b)
+            canary.tail(b)
+    if canary.config.truth:
+        for n in SCATTER_TOKENS:
+            flat = torch.zeros(n, dtype=torch.int64, device=dev)
+            offsets = torch.tensor([0, n], dtype=torch.int64, device=dev)
+            scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
+                                  pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev))
+    canary._load_sweep_plan([], [], [], [])
+    for t, before in saved:
+        t.copy_(before)
+    canary.totals.seconds = seconds
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0

@@ -1,0 +1,91 @@
+"""Canary.warmup: every launch point runs once on an empty batch and leaves no trace (records,
+counters, ring, sweep plan as built); afterwards the canary checks as before. On CUDA, a step of
+any batch size after construction compiles nothing new."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary.config import CanaryConfig
+from kvcanary.core.record import LaunchPoint
+from kvcanary.ops._common import HAS_TRITON
+from kvcanary.ops.check import _check_kernel
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.canary import Canary, PoolGeometry
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_SLOTS, ROWS, MAX_CTX = 64, 4, 16
+
+
+def _canary(truth: bool, window: int = 0, warmup: bool = False) -> Canary:
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randint(-1000, 1000, (NUM_SLOTS, 2, 8), generator=gen, dtype=torch.int16).to(DEV)
+    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, truth=truth, fused=True, max_bs=4, max_tokens=64)
+    return Canary(config, PoolGeometry(NUM_SLOTS, ROWS, MAX_CTX, DEV), sources=[KVSource.from_buffer(kv)],
+                  window=window, warmup=warmup)
+
+
+def _batch(prefix: int, extend: int, lut: torch.Tensor | None = None) -> ForwardBatch:
+    gen = torch.Generator().manual_seed(2)
+    table = torch.zeros(ROWS, MAX_CTX, dtype=torch.int32)
+    table[1] = (torch.randperm(NUM_SLOTS - 1, generator=gen)[:MAX_CTX] + 1).to(torch.int32)
+    tokens = torch.randint(1, 500, (MAX_CTX,), generator=gen)
+    pos = torch.arange(prefix, prefix + extend)
+    return ForwardBatch(req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([prefix]),
+                        extend_lens=torch.tensor([extend]), req_to_token=table, input_ids=tokens[pos], positions=pos,
+                        out_cache_loc=table[1, pos].long(), truth_ids=tokens[: prefix + extend],
+                        truth_offsets=torch.tensor([0, prefix + extend]), slot_lut=lut)
+
+
+def _to(b: ForwardBatch) -> ForwardBatch:
+    return ForwardBatch(**{k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
+
+
+def _state(c: Canary) -> list[torch.Tensor]:
+    return [t.clone() for t in (c.canary, c.stats, c.ring_counter, c.ring, c.truth, c.sweep_plan.count,
+                                c.sweep_plan.enable)]
+
+
+@pytest.mark.parametrize("truth, window", [(False, 0), (True, 0), (True, 8)])
+def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window):
+    c = _canary(truth, window)
+    lut = torch.arange(NUM_SLOTS) if window else None
+    fill = _to(_batch(0, 10, lut))
+    c.head(fill)
+    c.tail(fill)
+    before = _state(c)
+    seconds = c.warmup()
+    assert seconds > 0 and c.warmup_seconds == seconds
+    for got, want in zip(_state(c), before, strict=True):
+        assert torch.equal(got, want)
+    step = _to(_batch(10, 1, lut))
+    c.head(step)
+    c.tail(step)
+    assert int(c.ring_counter[0]) == 0
+    assert int(c.stats[c.tag(LaunchPoint.HEAD), 0]) == 2  # the fill's and the step's launches only
+    c.canary[int(fill.out_cache_loc[3])] ^= 1
+    c.head(step)
+    assert int(c.ring_counter[0]) > 0
+
+
+def _compiled() -> int | None:
+    caches = getattr(_check_kernel, "device_caches", None)
+    if caches is None:
+        return None
+    return sum(len(v[0]) for v in caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles happen on CUDA only")
+def test_no_step_compiles_after_construction():
+    c = _canary(truth=True, warmup=True)
+    n = _compiled()
+    if n is None:
+        pytest.skip("this triton keeps no per-device kernel cache to count")
+    for prefix, extend in ((0, 3), (3, 1), (4, 12)):
+        b = _to(_batch(prefix, extend))
+        c.head(b)
+        c.tail(b)
+    assert _compiled() == n
