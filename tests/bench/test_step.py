@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvcanary.bench.floors import StepShape
-from kvcanary.bench.step import MODEL, StepBatch, StepCost, build_canary, pool_pages, step_cost
+from kvcanary.bench.step import MODEL, StepBatch, StepCost, build_canary, phase_floor_us, pool_pages, step_cost
 from kvcanary.bench.step_model import Decoder, DecoderShape, StepAttention, rms_norm, rope_store, silu_mul
 from kvcanary.cli import app
 from kvcanary.ops.fingerprint import FingerprintMode
@@ -32,6 +32,10 @@ def test_step_cost_by_hand():
     # prefill 3 tokens, bs 1: queries see 1 + 2 + 3 keys
     p = step_cost(TINY, StepShape.prefill(3, 1), weight_bytes=0)
     assert p.bytes == 3 * kv_token and p.flops == 2 * 3 * 2 * TINY.layer_params + 2 * 64 * 50 + 4 * 2 * 4 * 16 * 6
+    # phases: products at 1 TFLOP/s (their FLOPs), attention at 1 GB/s (its K/V bytes) -> the sum
+    shape = StepShape.decode(2, 10)
+    products = (2 * 2 * 2 * TINY.layer_params + 2 * 2 * 64 * 50) / 1e6
+    assert phase_floor_us(TINY, shape, 0, 1.0, 1.0) == pytest.approx(products + 22 * kv_token / 1e3)
     assert StepCost(4_000_000, 10**6).floor_us(copy_GBps=1.0, tflops=1.0) == (4000.0, "bytes")
     assert StepCost(4000, 10**12).floor_us(copy_GBps=1000.0, tflops=0.5) == (2.0e6, "FLOPs")
 

@@ -72,10 +72,14 @@ def step_cost(model: DecoderShape, shape: StepShape, weight_bytes: int) -> StepC
     ``T = bs * extend``; query ``c`` of a request sees ``context + c + 1`` keys."""
     tokens = shape.bs * shape.extend
     kv = (shape.bs * shape.context + tokens) * model.kv_bytes_per_token
-    seen = shape.bs * (shape.extend * shape.context + shape.extend * (shape.extend + 1) // 2)
     flops = (2 * tokens * model.num_layers * model.layer_params + 2 * shape.bs * model.hidden * model.vocab
-             + 4 * model.num_layers * model.num_heads * model.head_dim * seen)
+             + attention_flops(model, shape))
     return StepCost(weight_bytes + kv, flops)
+
+
+def attention_flops(model: DecoderShape, shape: StepShape) -> int:
+    seen = shape.bs * (shape.extend * shape.context + shape.extend * (shape.extend + 1) // 2)
+    return 4 * model.num_layers * model.num_heads * model.head_dim * seen
 
 
 def pool_pages(shapes, page_size: int) -> int:
@@ -111,9 +115,10 @@ class StepBatch:
                             out_cache_loc=self.table[row_of, pos].long())
 
 
-def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots: int, warmup: bool = True):
+def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots: int, warmup: bool = True,
+                 fill: bool = True):
     """A Canary over the pool with K and V of the first and last layer as sources, its prefix
-    stamped and fingerprinted through the canary itself; returns (canary, seconds to build)."""
+    stamped and fingerprinted through the canary itself (``fill``); returns (canary, seconds to build)."""
     last = model.shape.num_layers - 1
     sources = [KVSource.from_buffer(buf[layer], half=half, layer=layer) for layer in (0, last)
                for half, buf in ((Half.K, model.k_buffers), (Half.V, model.v_buffers))]
@@ -124,7 +129,7 @@ def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots
                     sources=sources, warmup=warmup)
     timing.synchronize(sb.table.device)
     built = time.perf_counter() - t0
-    if sb.fill is not None:
+    if fill and sb.fill is not None:
         canary.head(sb.fill)
         canary.tail(sb.fill)
     return canary, built
@@ -197,19 +202,27 @@ def tripwire(canary: Canary, graph, sb: StepBatch, mode: FingerprintMode) -> str
 
 
 def host_us(canary: Canary, graph, batch: ForwardBatch, steps: int = 30) -> dict:
-    """Wall µs per step of the canary's host work outside the graph (prepare_head + end_step),
-    each step replayed between them as an engine would."""
-    times = []
+    """Wall µs per step of the canary's host calls outside the graph (``prepare_head`` +
+    ``end_step``), two ways: ``work``, with the device idle (synchronised before each step:
+    the host work itself), and ``in_flight``, with the step's replay just launched as an engine
+    runs it (``end_step`` then also waits for the previous step's snapshot)."""
+    work, in_flight = [], []
     for i in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        canary.prepare_head(batch)
+        canary.end_step(2 * i)
+        work.append((time.perf_counter() - t0) * 1e6)
         t0 = time.perf_counter()
         canary.prepare_head(batch)
         t1 = time.perf_counter()
         graph.replay()
         t2 = time.perf_counter()
-        canary.end_step(i)
-        times.append((t1 - t0 + time.perf_counter() - t2) * 1e6)
+        canary.end_step(2 * i + 1)
+        in_flight.append((t1 - t0 + time.perf_counter() - t2) * 1e6)
     torch.cuda.synchronize()
-    return spread(times[min(3, steps - 1):])
+    skip = min(3, steps - 1)
+    return {"work": spread(work[skip:]), "in_flight": spread(in_flight[skip:])}
 
 
 def first_vs_steady(canary: Canary, batch: ForwardBatch, steps: int = 10) -> dict:
@@ -226,15 +239,16 @@ def first_vs_steady(canary: Canary, batch: ForwardBatch, steps: int = 10) -> dic
 
 
 def warmup_study(model: Decoder, sb: StepBatch, num_slots: int) -> dict:
-    """Build time with warm-up (kernels compiled on construction), first vs steady step, and a
-    canary built without warm-up in a mode not compiled before (real-KV all): what a step pays."""
+    """Build time with warm-up (kernels compiled on construction), first vs steady step (the
+    prefill of the shape's prefix, repeated: same slots, same records), and a canary built
+    without warm-up in a mode not compiled before (real-KV all): what its first step pays."""
     out = {}
     for label, mode, warm in (("partial, warm-up on construction", FingerprintMode.PARTIAL, True),
                               ("identity, warm-up on construction", FingerprintMode.NONE, True),
                               ("partial, again (kernels cached)", FingerprintMode.PARTIAL, True),
                               ("all, no warm-up", FingerprintMode.ALL, False)):
-        canary, built = build_canary(model, sb, mode, num_slots, warmup=warm)
-        row = {"build_s": built, "warmup_s": canary.warmup_seconds} | first_vs_steady(canary, sb.step)
+        canary, built = build_canary(model, sb, mode, num_slots, warmup=warm, fill=False)
+        row = {"build_s": built, "warmup_s": canary.warmup_seconds} | first_vs_steady(canary, sb.fill or sb.step)
         out[label] = row
         print(f"warm-up   {label:<36} build {built:8.3f} s (warm-up {canary.warmup_seconds:.3f} s); first step "
               f"{row['first_us']:>12.0f} µs, steady {row['steady_us']:>8.0f} µs", flush=True)
@@ -275,14 +289,61 @@ def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: i
         row[f"{name}_tripwire"] = tripwire(canaries[name], graphs[name], sb, MODES[name])
     row["host_partial"] = host_us(canaries["partial"], graphs["partial"], sb.step,
                                   steps=30 if shape.kind == "decode" else 6)
+    del graphs, fns
+    row["parts"] = parts_us(model, sb, attn)
     cost = step_cost(model.shape, shape, model.weight_bytes)
     floor, bound = cost.floor_us(rates["copy_GBps"], rates["bf16_TFLOPs"])
+    phases = phase_floor_us(model.shape, shape, model.weight_bytes, rates["copy_GBps"], rates["bf16_TFLOPs"])
     row.update(bytes=cost.bytes, flops=cost.flops, floor_us=floor, bound=bound,
-               step_over_floor=row["off"]["median"] / floor)
+               step_over_floor=row["off"]["median"] / floor, phase_floor_us=phases,
+               step_over_phase_floor=row["off"]["median"] / phases)
     row["floor_target"] = ("met" if row["step_over_floor"] <= FLOOR_TARGET
                            else f"missed ({row['step_over_floor']:.2f}× its floor > {FLOOR_TARGET}×)")
-    del graphs, canaries, fns
+    del canaries
     return row
+
+
+def phase_floor_us(model: DecoderShape, shape: StepShape, weight_bytes: int, copy_GBps: float,
+                   tflops: float) -> float:
+    """A tighter floor for steps whose phases are bound differently: the products (weights,
+    product FLOPs) and the attention (K/V bytes, attention FLOPs) each at their own bound, summed."""
+    full, attn_flops = step_cost(model, shape, weight_bytes), attention_flops(model, shape)
+    kv = full.bytes - weight_bytes
+    products = StepCost(weight_bytes, full.flops - attn_flops).floor_us(copy_GBps, tflops)[0]
+    return products + StepCost(kv, attn_flops).floor_us(copy_GBps, tflops)[0]
+
+
+def parts_us(model: Decoder, sb: StepBatch, attn: StepAttention, repeats: int = 3) -> dict:
+    """Graph-replay µs of the step's products alone (every layer's four and the vocabulary one)
+    and of its 32 paged attentions alone, on the step's shapes (where the step's time goes)."""
+    s, dev, b = model.shape, model.device, sb.step
+    n, bs = b.input_ids.shape[0], b.batch_size
+    h = torch.randn(n, s.hidden, dtype=model.dtype, device=dev)
+    a = torch.randn(n, s.num_heads * s.head_dim, dtype=model.dtype, device=dev)
+    m = torch.randn(n, s.mlp, dtype=model.dtype, device=dev)
+    q = torch.randn(n, s.num_heads, s.head_dim, dtype=model.dtype, device=dev)
+    last = torch.randn(bs, s.hidden, dtype=model.dtype, device=dev)
+
+    def products():
+        for layer in model.layers:
+            torch.nn.functional.linear(h, layer["qkv"])
+            torch.nn.functional.linear(a, layer["o"])
+            torch.nn.functional.linear(h, layer["gate_up"])
+            torch.nn.functional.linear(m, layer["down"])
+        torch.matmul(last, model.lm_head.t())
+
+    def attention():
+        for i in range(s.num_layers):
+            attn(q, model.k_buffers[i], model.v_buffers[i], b)
+
+    out = {}
+    for name, fn in (("products", products), ("attention", attention)):
+        fn()
+        torch.cuda.synchronize()
+        graph = capture([fn], None)
+        out[name] = spread(interleaved({name: graph}, repeats)[name])
+        del graph
+    return out
 
 
 def matmul_tflops(device) -> float:
@@ -369,9 +430,10 @@ def print_table(data: dict) -> None:
               f"{_ratio(r['identity_ratio']):>28}{_ratio(r['partial_ratio']):>28}{r['floor_us']:>11.1f}"
               f"{r['step_over_floor']:>11.2f}  {r['floor_target']} ({r['bound']})")
     for r in data["rows"]:
-        h = r["host_partial"]
-        print(f"host      {r['shape']:<22} prepare_head + end_step {h['median']:.1f} µs "
-              f"[{h['min']:.1f}-{h['max']:.1f}]")
+        w, f, p = r["host_partial"]["work"], r["host_partial"]["in_flight"], r["parts"]
+        print(f"parts     {r['shape']:<22} products {_sp(p['products'])} µs, attention {_sp(p['attention'])} µs; "
+              f"phase floor {r['phase_floor_us']:.1f} µs (step {r['step_over_phase_floor']:.2f}× it); host "
+              f"prepare_head + end_step {_sp(w)} µs idle, {_sp(f)} µs with the step in flight")
     rates = data["rates"]
     print(f"rates: copy {fmt(rates.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(rates.get('bf16_TFLOPs'), '.0f')} "
           f"TFLOP/s; page size {data['meta']['page_size']}; on/off = median of per-repeat ratios [min-max]")
@@ -382,12 +444,14 @@ def print_table(data: dict) -> None:
 
 def markdown_table(data: dict) -> str:
     out = ["| shape | off µs [min–max] | identity µs | partial µs | identity / off | partial / off | floor µs "
-           "(bound) | step / floor | host µs (partial) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "(bound) | step / floor | step / phase floor | host µs (partial, idle) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         miss = "" if r["floor_target"] == "met" else " (missed 1.5×)"
         out.append(f"| {r['shape']} | {_sp(r['off'])} | {_sp(r['identity'])} | {_sp(r['partial'])} | "
                    f"{_ratio(r['identity_ratio'])} | {_ratio(r['partial_ratio'])} | {r['floor_us']:.1f} ({r['bound']}) "
-                   f"| {r['step_over_floor']:.2f}{miss} | {r['host_partial']['median']:.1f} |")
+                   f"| {r['step_over_floor']:.2f}{miss} | {r['step_over_phase_floor']:.2f} | "
+                   f"{r['host_partial']['work']['median']:.1f} |")
     return "\n".join(out) + "\n"
 
 
