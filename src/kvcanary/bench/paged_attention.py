@@ -51,12 +51,13 @@ def paged_attention_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, rtt_ptr, rpi_ptr, prefix_ptr, part_ptr, lse_ptr, rtt_stride,
-                         slot_stride, chunk, num_splits, sm_scale_log2, GROUP: tl.constexpr,
+                         slot_stride, chunk, num_splits, sm_scale_log2, bs, GROUP: tl.constexpr,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Program (r * KVH + kvh, s): the GROUP query heads of KV head ``kvh`` of request ``r`` over
     keys [s * chunk, (s + 1) * chunk) of its ``prefix + 1`` keys; writes the unnormalised output
-    over its keys' softmax weights and their log2-sum-exp to ``part[r, h, s]``, ``lse[r, h, s]``."""
+    over its keys' softmax weights and their log2-sum-exp to ``part[r, h, s]``, ``lse[r, h, s]``.
+    ``bs`` only keys the tuning on CUDA."""
     pid = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
     r = pid // NUM_KV_HEADS
@@ -114,10 +115,11 @@ def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.co
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rtt_ptr, rpi_ptr, prefix_ptr, extend_ptr, start_ptr, rtt_stride,
-                    slot_stride, sm_scale_log2, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    slot_stride, sm_scale_log2, max_extend, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (m, r * H + h): queries [m * BLOCK_M, (m + 1) * BLOCK_M) of request r's extend, head h,
-    over keys [0, prefix + end of the block); blocks wholly before the first query need no mask."""
+    over keys [0, prefix + end of the block); blocks wholly before the first query need no mask.
+    ``max_extend`` sizes the grid (and keys the tuning on CUDA)."""
     m = tl.num_programs(0).to(tl.int64) - 1 - tl.program_id(0).to(tl.int64)  # the longest rows start first
     rh = tl.program_id(1).to(tl.int64)
     num_heads = NUM_KV_HEADS * GROUP
@@ -173,13 +175,28 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rtt_ptr, rpi_ptr, prefix_ptr, ex
         tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qm[:, None])
 
 
+# On CUDA each kernel picks its tile sizes once per shape (timed on the first call, before any
+# graph capture; both kernels write only their outputs, so a timed rerun changes nothing).
+_DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                   for n, w, st in ((64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))]
+_PREFILL_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                    for m, n, w, st in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                                        (128, 32, 4, 4))]
+_DEFAULT_DECODE = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+_DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+_decode_tuned = triton.autotune(_DECODE_CONFIGS, key=["chunk", "num_splits", "bs"])(_decode_split_kernel) \
+    if hasattr(triton, "autotune") else None
+_prefill_tuned = triton.autotune(_PREFILL_CONFIGS, key=["max_extend"])(_prefill_kernel) \
+    if hasattr(triton, "autotune") else None
+
+
 class DecodeAttention:
     """Split-key decode attention with its scratch allocated once (capturable launches).
 
     ``max_len`` bounds ``prefix_lens + 1`` of every request; keys are split in chunks so that
     ``bs * KVH * num_splits`` programs fill the device (``target_programs``)."""
 
-    BLOCK_N = 64
+    BLOCK_N = 64  # chunks are multiples of this (the tuned tile may differ: its loop masks at the chunk end)
     MAX_SPLITS = 64  # the merge holds every split of one head in registers
 
     def __init__(self, bs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, device,
@@ -196,11 +213,12 @@ class DecodeAttention:
         """``out`` (bf16[bs, H, D]) = attention of one query per request over its prefix + 1 keys."""
         group = self.num_heads // self.num_kv_heads
         scale = LOG2E / math.sqrt(self.head_dim)
-        _decode_split_kernel[(self.bs * self.num_kv_heads, self.num_splits)](
+        kernel, tiles = (_decode_tuned, {}) if q.is_cuda else (_decode_split_kernel, _DEFAULT_DECODE)
+        kernel[(self.bs * self.num_kv_heads, self.num_splits)](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, self.part, self.lse,
-            req_to_token.stride(0), k_buffer.stride(0), self.chunk, self.num_splits, scale, GROUP=group,
+            req_to_token.stride(0), k_buffer.stride(0), self.chunk, self.num_splits, scale, self.bs, GROUP=group,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=self.BLOCK_N, num_warps=4, num_stages=3)
+            **tiles)
         _decode_merge_kernel[(self.bs * self.num_heads,)](
             self.part, self.lse, out, self.num_splits, HEAD_DIM=self.head_dim,
             BLOCK_S=max(2, triton.next_power_of_2(self.num_splits)), num_warps=4)
@@ -212,9 +230,15 @@ def prefill_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pre
     """``out`` (bf16[T, H, D]) = causal attention of every extend token over its prefix and chunk.
     ``max_extend`` bounds ``extend_lens`` (it sizes the grid)."""
     bs, (num_heads, head_dim), num_kv_heads = req_pool_indices.shape[0], q.shape[1:], k_buffer.shape[1]
-    block_m, block_n = 128, 64
-    _prefill_kernel[(cdiv(max_extend, block_m), bs * num_heads)](
+    kernel, tiles = (_prefill_tuned, {}) if q.is_cuda else (_prefill_kernel, _DEFAULT_PREFILL)
+    kernel[lambda meta: (cdiv(max_extend, meta["BLOCK_M"]), bs * num_heads)](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        req_to_token.stride(0), k_buffer.stride(0), LOG2E / math.sqrt(head_dim), GROUP=num_heads // num_kv_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8, num_stages=3)
+        req_to_token.stride(0), k_buffer.stride(0), LOG2E / math.sqrt(head_dim), max_extend,
+        GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, **tiles)
     return out
+
+
+def tuned_tiles() -> dict:
+    """The tile configs the last tuned launches picked (CUDA), for the benchmark's record."""
+    return {name: str(getattr(k, "best_config", None)) for name, k in (("decode", _decode_tuned),
+                                                                        ("prefill", _prefill_tuned))}

@@ -31,6 +31,7 @@ import torch
 
 from kvcanary.bench import timing
 from kvcanary.bench.floors import StepShape
+from kvcanary.bench.paged_attention import tuned_tiles
 from kvcanary.bench.results import RunRecord, fmt
 from kvcanary.bench.step_model import Decoder, DecoderShape, StepAttention
 from kvcanary.config import CanaryConfig, Policy
@@ -291,6 +292,7 @@ def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: i
                                   steps=30 if shape.kind == "decode" else 6)
     del graphs, fns
     row["parts"] = parts_us(model, sb, attn)
+    row["attention_tiles"] = tuned_tiles()["decode" if shape.kind == "decode" else "prefill"]
     cost = step_cost(model.shape, shape, model.weight_bytes)
     floor, bound = cost.floor_us(rates["copy_GBps"], rates["bf16_TFLOPs"])
     phases = phase_floor_us(model.shape, shape, model.weight_bytes, rates["copy_GBps"], rates["bf16_TFLOPs"])
@@ -433,7 +435,8 @@ def print_table(data: dict) -> None:
         w, f, p = r["host_partial"]["work"], r["host_partial"]["in_flight"], r["parts"]
         print(f"parts     {r['shape']:<22} products {_sp(p['products'])} µs, attention {_sp(p['attention'])} µs; "
               f"phase floor {r['phase_floor_us']:.1f} µs (step {r['step_over_phase_floor']:.2f}× it); host "
-              f"prepare_head + end_step {_sp(w)} µs idle, {_sp(f)} µs with the step in flight")
+              f"prepare_head + end_step {_sp(w)} µs idle, {_sp(f)} µs with the step in flight; attention tiles "
+              f"{r['attention_tiles']}")
     rates = data["rates"]
     print(f"rates: copy {fmt(rates.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(rates.get('bf16_TFLOPs'), '.0f')} "
           f"TFLOP/s; page size {data['meta']['page_size']}; on/off = median of per-repeat ratios [min-max]")
