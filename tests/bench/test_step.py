@@ -8,8 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvcanary.bench.floors import StepShape
-from kvcanary.bench.step import MODEL, StepBatch, StepCost, build_canary, phase_floor_us, pool_pages, step_cost
+from kvcanary.bench.step import MODEL
 from kvcanary.bench.step_model import Decoder, DecoderShape, StepAttention, rms_norm, rope_store, silu_mul
+from kvcanary.bench.step_parts import StepBatch, StepCost, build_canary, phase_floor_us, pool_pages, step_cost
 from kvcanary.cli import app
 from kvcanary.ops.fingerprint import FingerprintMode
 

@@ -20,10 +20,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_SLOTS, ROWS, MAX_CTX = 64, 4, 16
 
 
-def _canary(truth: bool, window: int = 0, warmup: bool = False) -> Canary:
+def _canary(truth: bool, window: int = 0, warmup: bool = False, fused: bool = True) -> Canary:
     gen = torch.Generator().manual_seed(1)
     kv = torch.randint(-1000, 1000, (NUM_SLOTS, 2, 8), generator=gen, dtype=torch.int16).to(DEV)
-    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, truth=truth, fused=True, max_bs=4, max_tokens=64)
+    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, truth=truth, fused=fused, max_bs=4, max_tokens=64)
     return Canary(config, PoolGeometry(NUM_SLOTS, ROWS, MAX_CTX, DEV), sources=[KVSource.from_buffer(kv)],
                   window=window, warmup=warmup)
 
@@ -49,9 +49,10 @@ def _state(c: Canary) -> list[torch.Tensor]:
                                 c.sweep_plan.enable)]
 
 
-@pytest.mark.parametrize("truth, window", [(False, 0), (True, 0), (True, 8)])
-def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window):
-    c = _canary(truth, window)
+@pytest.mark.parametrize("truth, window, fused", [(False, 0, True), (True, 0, True), (True, 8, True),
+                                                  (True, 0, False)])
+def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window, fused):
+    c = _canary(truth, window, fused=fused)
     lut = torch.arange(NUM_SLOTS) if window else None
     fill = _to(_batch(0, 10, lut))
     c.head(fill)

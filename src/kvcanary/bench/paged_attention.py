@@ -50,6 +50,38 @@ def paged_attention_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
 
 
 @triton.jit
+def _key_block(q, k_ptr, rtt_row_ptr, j, jm, slot_stride, kv_base, d, sm_scale_log2, MASKED: tl.constexpr):
+    """Scores (log2 units) of ``q`` against the keys at page-table columns ``j`` (only where ``jm``
+    when MASKED), and the offsets of those keys' rows (their values sit at the same offsets)."""
+    if MASKED:
+        slot = tl.load(rtt_row_ptr + j, mask=jm, other=0).to(tl.int64)
+    else:
+        slot = tl.load(rtt_row_ptr + j).to(tl.int64)
+    kv_off = slot[:, None] * slot_stride + kv_base + d[None, :]
+    if MASKED:
+        k = tl.load(k_ptr + kv_off, mask=jm[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_off)
+    return tl.dot(q, tl.trans(k)) * sm_scale_log2, kv_off
+
+
+@triton.jit
+def _softmax_block(qk, v_ptrs, mask, m_i, l_i, acc, MASKED: tl.constexpr):
+    """One key block of the streaming softmax: scores ``qk`` (log2 units, -inf where hidden),
+    values from ``v_ptrs`` (the rows where ``mask`` when MASKED, else every row); returns the
+    running max, the running sum and the unnormalised output."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    if MASKED:
+        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, rtt_ptr, rpi_ptr, prefix_ptr, part_ptr, lse_ptr, rtt_stride,
                          slot_stride, chunk, num_splits, sm_scale_log2, bs, GROUP: tl.constexpr,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -77,18 +109,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, rtt_ptr, rpi_ptr, prefix_ptr, part
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jm = j < hi
-        slot = tl.load(rtt_ptr + row * rtt_stride + j, mask=jm, other=0).to(tl.int64)
-        kv_off = slot[:, None] * slot_stride + kvh * HEAD_DIM + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=jm[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk, kv_off = _key_block(q, k_ptr, rtt_ptr + row * rtt_stride, j, jm, slot_stride, kvh * HEAD_DIM, d,
+                                sm_scale_log2, True)
         qk = tl.where(jm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(v_ptr + kv_off, mask=jm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(qk, v_ptr + kv_off, jm, m_i, l_i, acc, True)
     h = r * NUM_KV_HEADS * GROUP + kvh * GROUP + heads
     live = hm & ((heads * 0 + lo) < seq_len)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -145,32 +169,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rtt_ptr, rpi_ptr, prefix_ptr, ex
         diag = (first // BLOCK_N) * BLOCK_N
         for j0 in range(0, diag, BLOCK_N):  # every key visible to every query of the block
             j = j0 + tl.arange(0, BLOCK_N)
-            slot = tl.load(rtt_ptr + row * rtt_stride + j).to(tl.int64)
-            kv_off = slot[:, None] * slot_stride + kvh * HEAD_DIM + d[None, :]
-            k = tl.load(k_ptr + kv_off)
-            qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            v = tl.load(v_ptr + kv_off)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            qk, kv_off = _key_block(q, k_ptr, rtt_ptr + row * rtt_stride, j, j >= 0, slot_stride, kvh * HEAD_DIM,
+                                    d, sm_scale_log2, False)
+            m_i, l_i, acc = _softmax_block(qk, v_ptr + kv_off, j >= 0, m_i, l_i, acc, False)
         for j0 in range(diag, hi, BLOCK_N):  # the diagonal: causal mask
             j = j0 + tl.arange(0, BLOCK_N)
             jm = j < hi
-            slot = tl.load(rtt_ptr + row * rtt_stride + j, mask=jm, other=0).to(tl.int64)
-            kv_off = slot[:, None] * slot_stride + kvh * HEAD_DIM + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=jm[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+            qk, kv_off = _key_block(q, k_ptr, rtt_ptr + row * rtt_stride, j, jm, slot_stride, kvh * HEAD_DIM, d,
+                                    sm_scale_log2, True)
             qk = tl.where((j[None, :] <= qpos[:, None]) & jm[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            v = tl.load(v_ptr + kv_off, mask=jm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_block(qk, v_ptr + kv_off, jm, m_i, l_i, acc, True)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qm[:, None])
 
