@@ -16,20 +16,16 @@ slots with an open incident are tracked, so without damage this costs nothing; o
 
 from __future__ import annotations
 
-import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcanary.core.record import LaunchPoint, PoolKind, Reason
-from kvcanary.runtime.reporting import Violation
+from kvcanary.runtime.reporting import INCIDENTS_RE, Violation
 
-# the periodic summary line (``Canary``, every ``CanaryConfig.incident_summary_steps`` steps with news)
-INCIDENTS_RE = re.compile(
-    r"^kv_canary incidents: step=(?P<step>-?\d+) open=(?P<open>\d+) incidents=(?P<incidents>\d+) "
-    r"redetections=(?P<redetections>\d+) new_incidents=(?P<new_incidents>\d+) "
-    r"new_redetections=(?P<new_redetections>\d+) closed=(?P<closed>\d+)$")
+__all__ = ["INCIDENTS_RE", "Incident", "IncidentTracker", "incidents_report"]
+
 HISTORY = 1024  # first incidents kept for reports and the admin route (all are counted, open ones kept)
 
 
@@ -177,9 +173,10 @@ class IncidentTracker:
                 f"redetections={self.redetections} new_incidents={new} new_redetections={again} closed={closed}")
 
 
-def incidents_report(trackers: list[IncidentTracker], limit: int = 20) -> dict:
+def incidents_report(canaries: list, limit: int = 20) -> dict:
     """The incident keys of a run report over one or more canaries (pools): totals, by reason,
     by launch point and pool, and the first ``limit`` incidents."""
+    trackers: list[IncidentTracker] = [c.incidents for c in canaries]
     by_reason: Counter = Counter()
     by_label: Counter = Counter()
     for t in trackers:
