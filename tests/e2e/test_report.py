@@ -152,9 +152,10 @@ def test_log_json_option_writes_violation_lines_as_json():
 def test_readme_documents_the_frozen_lines_and_their_regexes():
     from pathlib import Path
 
-    from kvcanary.runtime.reporting import VIOLATION_RE
+    from kvcanary.runtime.reporting import INCIDENTS_RE, VIOLATION_RE
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
-    for regex in (VIOLATION_RE, STATS_RE, WATCHDOG_RE):
+    for regex in (VIOLATION_RE, INCIDENTS_RE, STATS_RE, WATCHDOG_RE):
         assert regex.pattern in readme, f"README lacks the pattern of {regex.pattern[:40]}..."
     assert any(STATS_RE.match(line) for line in readme) and any(WATCHDOG_RE.match(line) for line in readme)
+    assert any(INCIDENTS_RE.match(line) for line in readme)
