@@ -9,8 +9,9 @@ import sys
 import kvcanary
 import kvcanary.ops
 
-ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource", "Policy",
-              "PoolGeometry", "Recovery", "StepReport", "SweepRun", "Violation", "__version__"]
+ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
+              "LaunchPoint", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
+              "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "FingerprintMode", "KVSource", "Plan", "Workspace", "build_plan",
              "check_forward", "fingerprint", "gather_expected_tokens", "offsets_from_lengths", "scatter_req_token_ids",
              "stamp", "verify"]
@@ -41,6 +42,16 @@ def test_star_import_gives_exactly_the_documented_names():
     scope: dict = {}
     exec("from kvcanary import *", scope)
     assert sorted(k for k in scope if k != "__builtins__") == sorted(ROOT_NAMES)
+
+
+def test_the_readme_documents_exactly_the_exported_names():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("`from kvcanary import "))
+    documented = sorted(n.strip() for n in line.removeprefix("`from kvcanary import ").split("`")[0].split(","))
+    assert documented == sorted(n for n in ROOT_NAMES if n != "__version__")
+    assert all(f"`{name}`" in readme for name in ("scatter_req_token_ids", "offsets_from_lengths"))
 
 
 def test_unknown_name_is_an_attribute_error():

@@ -22,8 +22,11 @@ _EXPORTS = {
     "Half": "kvcanary.core.record",
     "Incident": "kvcanary.runtime.incidents",
     "KVSource": "kvcanary.ops.fingerprint",
+    "LaunchPoint": "kvcanary.core.record",
     "Policy": "kvcanary.config",
     "PoolGeometry": "kvcanary.runtime.canary",
+    "PoolKind": "kvcanary.core.record",
+    "Reason": "kvcanary.core.record",
     "Recovery": "kvcanary.runtime.canary",
     "StepReport": "kvcanary.runtime.canary",
     "SweepRun": "kvcanary.runtime.sweep",
@@ -38,8 +41,11 @@ __all__ = [
     "Half",
     "Incident",
     "KVSource",
+    "LaunchPoint",
     "Policy",
     "PoolGeometry",
+    "PoolKind",
+    "Reason",
     "Recovery",
     "StepReport",
     "SweepRun",
@@ -49,7 +55,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvcanary.config import CanaryConfig, Policy
-    from kvcanary.core.record import Half
+    from kvcanary.core.record import Half, LaunchPoint, PoolKind, Reason
     from kvcanary.errors import CanaryViolation
     from kvcanary.ops.fingerprint import KVSource
     from kvcanary.runtime.batch import ForwardBatch
