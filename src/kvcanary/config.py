@@ -35,8 +35,9 @@ class CanaryConfig:
     of every forward (written and read) against the requests' token history; sweeps check idle
     cached slots against the tokens the engine passes with them (its prefix-cache keys) either way.
     ``watchdog_window``: steps a launch point may stay silent (0 = derived from the sweep interval).
-    ``incident_summary_steps``: steps between incident summary lines (re-detections of open
-    incidents are counted there, not logged one by one; a line only when something changed; 0 = never).
+    ``incident_summary_steps``: steps between incident summary lines (WARNING; re-detections of
+    open incidents are counted there, not logged one by one; a line only when something changed;
+    0 = only at ``flush``).
     ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: on CUDA; True elsewhere
     runs the Triton kernel on the CPU, which needs TRITON_INTERPRET=1 and is for tests)."""
 

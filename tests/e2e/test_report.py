@@ -143,6 +143,8 @@ def test_log_json_option_writes_violation_lines_as_json():
     lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     events = [x for x in lines if x.get("event") == "violation"]
     assert events and events[0]["fields"]["reason"] == "fingerprint" and events[0]["fields"]["tag"] == "TAIL.FULL.K"
+    summary = [x for x in lines if x.get("event") == "incidents"]  # the re-detections, counted at the end
+    assert summary and summary[-1]["fields"]["incidents"] == len(events) and summary[-1]["level"] == "WARNING"
     assert any(x["logger"] == "kvcanary.faults" for x in lines)
     plain = CliRunner().invoke(app, ["run", "--requests", "8", "--max-new-tokens", "6", "--fault", "used_slot_flip",
                                      "--fault-warmup", "4"])

@@ -374,7 +374,7 @@ class Canary:
     def _account(self, report: StepReport, upto_step: int, summary: bool = False) -> None:
         """Totals, incidents and log lines of a report: a WARNING violation line for each
         violation that opens an incident, DEBUG for re-detections (counted into the periodic
-        incident summary line)."""
+        incident summary line, WARNING too)."""
         t = self.totals
         for v, opened in self.incidents.observe(report.violations, upto_step):
             t.violations += 1
@@ -393,8 +393,8 @@ class Canary:
         every = self.config.incident_summary_steps
         if summary or (every and report.step % every == 0):
             line = self.incidents.summary_line(report.step)
-            if line is not None:
-                log.info(line)
+            if line is not None:  # rate-limited: at most one per incident_summary_steps, only with news
+                log.warning(line)
 
     def _apply_policy(self, report: StepReport) -> None:
         policy = self.config.policy
