@@ -159,7 +159,8 @@ class Canary:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
         self._meta.batch = b
-        self.incidents.note(self._meta.step, self._written(b), "rewritten")
+        if self.incidents.open:  # a rewrite closes an open incident; nothing to track otherwise
+            self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         if self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
