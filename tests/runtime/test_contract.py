@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolGeometry
 from kvcanary.errors import KVCanaryError
@@ -105,3 +107,21 @@ def test_host_moves_check_their_rows():
         canary.offload(torch.tensor([3, 4]), torch.tensor([0.0, 1.0]))
     with pytest.raises(KVCanaryError, match=r"attach_host_tier num_rows must be an int >= 1"):
         canary.attach_host_tier(0)
+
+
+TENSOR_FIELDS = ["req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions",
+                 "out_cache_loc", "truth_ids", "truth_offsets"]
+
+
+@given(field=st.sampled_from(TENSOR_FIELDS),
+       dtype=st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.bool]),
+       seed=st.integers(0, 2**16))
+def test_any_field_with_a_wrong_dtype_is_named(field, dtype, seed):
+    fields = _fields(seed)
+    expected = fields[field].dtype
+    fields[field] = fields[field].to(dtype)
+    if dtype == expected:
+        ForwardBatch(**fields)
+        return
+    with pytest.raises(BatchError, match=rf"^ForwardBatch\.{field} dtype {dtype} != {expected}"):
+        ForwardBatch(**fields)
