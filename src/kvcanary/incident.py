@@ -147,9 +147,9 @@ def render_incident(report: dict, title: str = "kv-canary incident report") -> I
     num_incidents = report.get("incidents")
     counted = f"{n} violation(s)" + (f" in {num_incidents} incident(s)" if num_incidents is not None else "")
     verdict = f'<p class="bad">{counted} reported</p>' if n else '<p class="ok">no violation reported</p>'
-    incidents = _grid(["id", "pool", "slot", "reason", "first seen (step, point)", "detections", "last step",
+    incidents = _grid(["id", "pool", "slot", "reasons", "first seen (step, point)", "detections", "last step",
                        "closed", "requests"],
-                      [[i.get("id"), i.get("pool"), i.get("slot"), i.get("reason"),
+                      [[i.get("id"), i.get("pool"), i.get("slot"), "+".join(i.get("reasons", [])),
                         f"{i.get('first_step')} {i.get('launch_point')}", i.get("detections"), i.get("last_step"),
                         f"{i.get('closed_by')} at {i.get('closed_step')}" if i.get("closed_by") else "open",
                         ",".join(f"{r['request']}@{r['position']}"

@@ -82,9 +82,9 @@ def test_one_flip_read_for_15_steps_is_15_violations_one_incident_one_warning_li
     assert {(v.slot, v.reasons, v.point) for v in d.violations} == {(slots[3], Reason.FINGERPRINT, LaunchPoint.TAIL)}
     assert d.canary.totals.violations == 15
     inc = d.canary.incidents
-    assert inc.num_incidents == 1 and inc.redetections == 14 and len(inc.open) == 1
+    assert inc.num_incidents == 1 and inc.redetections == 14 and len(inc.open_incidents()) == 1
     (incident,) = inc.history
-    assert incident.slot == slots[3] and incident.reason is Reason.FINGERPRINT and incident.detections == 15
+    assert incident.slot == slots[3] and incident.reasons is Reason.FINGERPRINT and incident.detections == 15
     assert incident.first is d.violations[0] and incident.last_step == d.violations[-1].step and incident.is_open
     warnings = [m for m in _lines(caplog, logging.WARNING) if m.startswith("kv_canary violation")]
     assert warnings == [d.violations[0].line()] and VIOLATION_RE.match(warnings[0])
@@ -174,11 +174,23 @@ def test_closes_apply_in_step_order_when_violations_arrive_a_step_late():
     assert t.num_incidents == 2 and [i.closed_by for i in t.history] == ["rewritten", None]
 
 
-def test_two_reasons_are_two_incidents_and_slotless_violations_are_keyed_by_position_and_request():
+def test_one_violation_opens_one_incident_and_a_new_reason_on_the_slot_opens_another():
     t = IncidentTracker()
     opened = t.observe([_violation(1, 9, Reason.CHAIN | Reason.POSITION)], upto_step=1)
-    assert [i.reason for i in opened[0][1]] == [Reason.CHAIN, Reason.POSITION]
+    assert [i.reasons for i in opened[0][1]] == [Reason.CHAIN | Reason.POSITION]
+    again = t.observe([_violation(2, 9, Reason.CHAIN), _violation(2, 9, Reason.CHAIN | Reason.VERIFY_TOKEN)], 2)
+    assert again[0][1] == [] and [i.reasons for i in again[1][1]] == [Reason.VERIFY_TOKEN]
+    assert t.num_incidents == 2 and t.redetections == 1 and opened[0][1][0].detections == 2
+    assert t.by_label == {("chain", "HEAD", "FULL"): 1, ("position", "HEAD", "FULL"): 1,
+                          ("verify_token", "HEAD", "FULL"): 1}
+    t.note(3, torch.tensor([9]), "rewritten")
+    t.observe([], upto_step=3)
+    assert t.open_incidents() == [] and t.closed == 2
+
+
+def test_slotless_violations_are_keyed_by_position_and_request():
+    t = IncidentTracker()
     t.observe([_violation(2, -1, position=3), _violation(2, -1, position=3), _violation(2, -1, position=4)], 2)
-    assert t.num_incidents == 4 and t.redetections == 1
+    assert t.num_incidents == 2 and t.redetections == 1
     t.note(3, torch.tensor([5]), "freed")  # no open incident on slot 5: nothing queued
     assert not t._closes

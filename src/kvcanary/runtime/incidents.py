@@ -4,9 +4,11 @@ A *violation* is one failed check of one slot at one launch point: a damaged slo
 steps gives 15. An *incident* is the first violation of a damaged (slot, reason) until that slot
 is rewritten (HEAD stamps it again, or records land in it by ``import_rows`` / ``load_back``) or
 freed (``Canary.slots_freed``): the same slot failing for the same reason meanwhile is a
-re-detection of the open incident, counted, not reported again. A violation with two reason bits
-opens (or re-detects) one incident per bit. Violations that name no slot (slot <= 0) are keyed
-by their position and requests as well.
+re-detection of the open incident, counted, not reported again. The keys are (slot, reason bit):
+a violation whose reasons include a bit not open on its slot opens one incident carrying those
+new bits (so each violation either opens one incident or is a re-detection, and one log line per
+incident holds exactly); a later violation of the slot with only open bits re-detects. Violations
+that name no slot (slot <= 0) are keyed by their position and requests as well.
 
 Ordering: violations are decoded one step late on CUDA, so rewrites and frees are queued with
 the step they happened at and applied before the violations of that step and later ones. Only
@@ -31,11 +33,12 @@ HISTORY = 1024  # first incidents kept for reports and the admin route (all are 
 
 @dataclass
 class Incident:
-    """One damaged (slot, reason): its first violation, how often it was detected since, and
-    when and how it closed (``closed_by``: ``"rewritten"`` or ``"freed"``; None while open)."""
+    """One damage: the slot, the reason bits its first violation opened, how often it was
+    detected since, and when and how it closed (``closed_by``: ``"rewritten"`` or ``"freed"``;
+    None while open)."""
 
     id: int
-    reason: Reason
+    reasons: Reason
     first: Violation
     detections: int = 1
     last_step: int = 0
@@ -59,7 +62,7 @@ class Incident:
         return self.closed_by is None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "pool": self.pool.name, "slot": self.slot, "reason": self.reason.name.lower(),
+        return {"id": self.id, "pool": self.pool.name, "slot": self.slot, "reasons": Reason.names(self.reasons),
                 "launch_point": self.point.name, "first_step": self.first.step, "last_step": self.last_step,
                 "detections": self.detections, "open": self.is_open, "closed_step": self.closed_step,
                 "closed_by": self.closed_by, "first_violation": self.first.to_json()}
@@ -100,6 +103,10 @@ class IncidentTracker:
     _closes: deque = field(default_factory=deque)
     _summary: list = field(default_factory=lambda: [0, 0, 0])  # new incidents, re-detections, closes since the last
 
+    def open_incidents(self) -> list[Incident]:
+        """The open incidents, oldest first."""
+        return sorted({id(i): i for i in self.open.values()}.values(), key=lambda i: i.id)
+
     @property
     def open_slots(self) -> set[int]:
         return {k[0] for k in self.open if k[0] > 0}
@@ -129,27 +136,25 @@ class IncidentTracker:
         out = []
         for v in violations:
             self._apply_closes(v.step)
-            opened = []
-            for reason in Reason:
-                if not v.reasons & reason:
-                    continue
-                key = _key(v, reason)
-                inc = self.open.get(key)
-                if inc is None:
-                    self.num_incidents += 1
-                    inc = Incident(self.num_incidents, reason, v, last_step=v.step)
-                    self.open[key] = inc
-                    if len(self.history) < HISTORY:
-                        self.history.append(inc)
-                    self.by_label[reason.name.lower(), v.point.name, v.tag.pool.name] += 1
-                    self._summary[0] += 1
-                    opened.append(inc)
-                else:
-                    inc.detections += 1
-                    inc.last_step = v.step
-                    self.redetections += 1
-                    self._summary[1] += 1
-            out.append((v, opened))
+            bits = [r for r in Reason if v.reasons & r]
+            new = [r for r in bits if _key(v, r) not in self.open]
+            if new:
+                self.num_incidents += 1
+                inc = Incident(self.num_incidents, Reason(sum(new)), v, last_step=v.step)
+                for r in new:
+                    self.open[_key(v, r)] = inc
+                    self.by_label[r.name.lower(), v.point.name, v.tag.pool.name] += 1
+                if len(self.history) < HISTORY:
+                    self.history.append(inc)
+                self._summary[0] += 1
+                out.append((v, [inc]))
+                continue
+            for inc in {id(i): i for i in (self.open[_key(v, r)] for r in bits)}.values():
+                inc.detections += 1
+                inc.last_step = v.step
+            self.redetections += 1
+            self._summary[1] += 1
+            out.append((v, []))
         self._apply_closes(upto_step)
         return out
 
@@ -159,9 +164,10 @@ class IncidentTracker:
             slots = c.resolve()
             for key in [k for k in self.open if k[0] in slots]:
                 inc = self.open.pop(key)
-                inc.closed_step, inc.closed_by = c.step, c.how
-                self.closed += 1
-                self._summary[2] += 1
+                if inc.is_open:
+                    inc.closed_step, inc.closed_by = c.step, c.how
+                    self.closed += 1
+                    self._summary[2] += 1
 
     def summary_line(self, step: int) -> str | None:
         """The periodic summary line, or None when nothing happened since the last one."""
@@ -169,7 +175,7 @@ class IncidentTracker:
         if not (new or again or closed):
             return None
         self._summary = [0, 0, 0]
-        return (f"kv_canary incidents: step={step} open={len(self.open)} incidents={self.num_incidents} "
+        return (f"kv_canary incidents: step={step} open={len(self.open_incidents())} incidents={self.num_incidents} "
                 f"redetections={self.redetections} new_incidents={new} new_redetections={again} closed={closed}")
 
 
@@ -185,7 +191,7 @@ def incidents_report(canaries: list, limit: int = 20) -> dict:
             by_reason[reason] += n
     first = sorted((i for t in trackers for i in t.history), key=lambda i: (i.first.step, i.pool, i.id))[:limit]
     return {"incidents": sum(t.num_incidents for t in trackers),
-            "incidents_open": sum(len(t.open) for t in trackers),
+            "incidents_open": sum(len(t.open_incidents()) for t in trackers),
             "redetections": sum(t.redetections for t in trackers),
             "incidents_by_reason": dict(sorted(by_reason.items())),
             "incidents_by_label": [{"reason": r, "launch_point": p, "pool": pool, "incidents": n}

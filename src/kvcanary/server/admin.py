@@ -271,7 +271,7 @@ class CanaryAdmin:
             with self.target.lock:
                 canaries = self.target.canaries()
                 report = incidents_report(canaries, limit)
-                report["open_incidents"] = [i.to_json() for c in canaries for i in c.incidents.open.values()][:limit]
+                report["open_incidents"] = [i.to_json() for c in canaries for i in c.incidents.open_incidents()][:limit]
                 return report
 
         @r.post("/canary/sweep")
