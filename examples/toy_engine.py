@@ -9,7 +9,7 @@ back, sweeps the cached slots, and runs once clean and once per seeded fault:
   host_copy_flip      a host-tier row is damaged before its load-back  -> fingerprint at SWEEP
 
 Prints one line per run; exits 1 if the clean run reports anything or a fault is missed.
-Run: ``python examples/toy_engine.py`` (CPU; add ``--device cuda`` on a GPU).
+Run: ``python examples/toy_engine.py`` (CPU; ``--device cuda`` takes the fused CUDA path, not run in CI).
 """
 
 from __future__ import annotations
