@@ -35,6 +35,9 @@ class CanaryConfig:
     of every forward (written and read) against the requests' token history; sweeps check idle
     cached slots against the tokens the engine passes with them (its prefix-cache keys) either way.
     ``watchdog_window``: steps a launch point may stay silent (0 = derived from the sweep interval).
+    ``incident_summary_steps``: steps between incident summary lines (WARNING; re-detections of
+    open incidents are counted there, not logged one by one; a line only when something changed;
+    0 = only at ``flush``).
     ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: on CUDA; True elsewhere
     runs the Triton kernel on the CPU, which needs TRITON_INTERPRET=1 and is for tests)."""
 
@@ -52,6 +55,7 @@ class CanaryConfig:
     stats_period: int = 0
     truth: bool = True
     watchdog_window: int = 0
+    incident_summary_steps: int = 100
 
     def __post_init__(self):
         if not isinstance(self.policy, Policy):
@@ -64,7 +68,8 @@ class CanaryConfig:
         if self.real_kv is not FingerprintMode.NONE and n_layers * len(self.halves) > MAX_SOURCES:
             raise ConfigError(f"CanaryConfig covers {n_layers} layers x {len(self.halves)} halves > {MAX_SOURCES} "
                               "KV sources; cover fewer layers")
-        for name in ("sweep_interval", "sweep_budget_bytes", "stats_period", "watchdog_window"):
+        for name in ("sweep_interval", "sweep_budget_bytes", "stats_period", "watchdog_window",
+                     "incident_summary_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"CanaryConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ring_capacity", "plan_capacity", "max_bs", "max_tokens"):

@@ -4,8 +4,9 @@ and a PNG of its timeline.
 The timeline (``report["timeline"]``, one entry per engine step) is drawn in two panels: violations
 per step stacked by reason, with the steps faults were injected at marked; and the cache
 traffic that usually explains them: sweeps, evicted, offloaded and loaded-back slots. The page
-embeds the PNG (``<img id="timeline-plot">``) and tables of the figures, the injections and the
-first violations; it loads nothing from elsewhere.
+embeds the PNG (``<img id="timeline-plot">``) and tables of the figures, the injections, the
+first incidents (a damaged slot and reason, with how often it was detected and how it closed:
+``runtime.incidents``) and the first violations; it loads nothing from elsewhere.
 
 Needs matplotlib (the ``server`` extra).
 """
@@ -26,7 +27,7 @@ TRAFFIC = {"sweeps": ("sweeps", "#1f77b4"), "evicted_slots": ("evicted slots", "
 
 
 @dataclass(frozen=True)
-class Incident:
+class IncidentPage:
     html: str
     png: bytes
 
@@ -117,6 +118,9 @@ def _summary(report: dict) -> list[tuple[str, object]]:
     eng = report.get("engine", {})
     rows = [("requests", report.get("requests")), ("generated tokens", report.get("generated_tokens")),
             ("steps", report.get("steps")), ("violations", report.get("violations")),
+            ("incidents", report.get("incidents")), ("re-detections", report.get("redetections")),
+            ("incidents by reason", ", ".join(f"{k}={v}" for k, v in report.get("incidents_by_reason", {}).items())
+             or "-"),
             ("by reason", ", ".join(f"{k}={v}" for k, v in report.get("by_reason", {}).items()) or "-"),
             ("by launch point", ", ".join(f"{k}={v}" for k, v in report.get("by_launch_point", {}).items() if v)
              or "-"),
@@ -136,11 +140,21 @@ th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{ba
 .bad{color:#b00}.ok{color:#070}img{max-width:100%}"""
 
 
-def render_incident(report: dict, title: str = "kv-canary incident report") -> Incident:
+def render_incident(report: dict, title: str = "kv-canary incident report") -> IncidentPage:
     """The HTML page and the PNG timeline of a run report. Raises ValueError for a malformed timeline."""
     png = plot_timeline(report)
     n = report.get("violations", 0)
-    verdict = (f'<p class="bad">{n} violation(s) reported</p>' if n else '<p class="ok">no violation reported</p>')
+    num_incidents = report.get("incidents")
+    counted = f"{n} violation(s)" + (f" in {num_incidents} incident(s)" if num_incidents is not None else "")
+    verdict = f'<p class="bad">{counted} reported</p>' if n else '<p class="ok">no violation reported</p>'
+    incidents = _grid(["id", "pool", "slot", "reasons", "first seen (step, point)", "detections", "last step",
+                       "closed", "requests"],
+                      [[i.get("id"), i.get("pool"), i.get("slot"), "+".join(i.get("reasons", [])),
+                        f"{i.get('first_step')} {i.get('launch_point')}", i.get("detections"), i.get("last_step"),
+                        f"{i.get('closed_by')} at {i.get('closed_step')}" if i.get("closed_by") else "open",
+                        ",".join(f"{r['request']}@{r['position']}"
+                                 for r in i.get("first_violation", {}).get("requests", []))]
+                       for i in report.get("first_incidents", [])], "incidents")
     injections = _grid(["fault", "step", "slot", "detail"],
                        [[i.get("fault"), i.get("step"), i.get("slot"), i.get("detail")]
                         for i in report.get("injections", [])], "injections")
@@ -162,6 +176,8 @@ def render_incident(report: dict, title: str = "kv-canary incident report") -> I
 {_table(_summary(report))}
 <h2>Injected faults</h2>
 {injections}
+<h2>First incidents</h2>
+{incidents}
 <h2>First violations</h2>
 {violations}
 <script>
@@ -171,7 +187,7 @@ if (plot.complete) mark(); else plot.addEventListener("load", mark);
 </script>
 </body></html>
 """
-    return Incident(page, png)
+    return IncidentPage(page, png)
 
 
 def write_incident(report: dict, html_path: str | Path, png_path: str | Path | None = None,

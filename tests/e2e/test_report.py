@@ -143,6 +143,8 @@ def test_log_json_option_writes_violation_lines_as_json():
     lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     events = [x for x in lines if x.get("event") == "violation"]
     assert events and events[0]["fields"]["reason"] == "fingerprint" and events[0]["fields"]["tag"] == "TAIL.FULL.K"
+    summary = [x for x in lines if x.get("event") == "incidents"]  # the re-detections, counted at the end
+    assert summary and summary[-1]["fields"]["incidents"] == len(events) and summary[-1]["level"] == "WARNING"
     assert any(x["logger"] == "kvcanary.faults" for x in lines)
     plain = CliRunner().invoke(app, ["run", "--requests", "8", "--max-new-tokens", "6", "--fault", "used_slot_flip",
                                      "--fault-warmup", "4"])
@@ -152,9 +154,10 @@ def test_log_json_option_writes_violation_lines_as_json():
 def test_readme_documents_the_frozen_lines_and_their_regexes():
     from pathlib import Path
 
-    from kvcanary.runtime.reporting import VIOLATION_RE
+    from kvcanary.runtime.reporting import INCIDENTS_RE, VIOLATION_RE
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
-    for regex in (VIOLATION_RE, STATS_RE, WATCHDOG_RE):
+    for regex in (VIOLATION_RE, INCIDENTS_RE, STATS_RE, WATCHDOG_RE):
         assert regex.pattern in readme, f"README lacks the pattern of {regex.pattern[:40]}..."
     assert any(STATS_RE.match(line) for line in readme) and any(WATCHDOG_RE.match(line) for line in readme)
+    assert any(INCIDENTS_RE.match(line) for line in readme)

@@ -17,7 +17,7 @@ from kvcanary.engine.engine import Engine
 from kvcanary.faults import UsedSlotFlip, attach_faults
 from kvcanary.runtime.metrics import CanaryCollector
 
-NAMES = {"kvcanary_violations", "kvcanary_violation_rows_dropped", "kvcanary_verified_slots",
+NAMES = {"kvcanary_violations", "kvcanary_incidents", "kvcanary_violation_rows_dropped", "kvcanary_verified_slots",
          "kvcanary_stamped_slots", "kvcanary_sweeps", "kvcanary_verify_skipped", "kvcanary_recomputed_requests",
          "kvcanary_watchdog_alarms", "kvcanary_steps", "kvcanary_seconds"}
 

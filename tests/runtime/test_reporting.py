@@ -97,10 +97,16 @@ def test_owners_without_request_ids_are_batch_indices_and_sweeps_name_the_cache(
 
 def test_a_live_run_logs_parseable_lines_naming_the_damaged_request(caplog):
     fault = PageTableRepoint(seed=1, warmup_steps=20)
-    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+    with caplog.at_level(logging.DEBUG, logger="kvcanary"):
         out = run_once(small_setup(policy=Policy.LOG), [fault])
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation")]
+    records = [r for r in caplog.records if r.getMessage().startswith("kv_canary violation")]
+    lines = [r.getMessage() for r in records]
     assert len(lines) == len(out.violations) == out.hooks.canary.totals.violations > 0
+    # WARNING for the violations that open an incident, DEBUG for re-detections of an open one
+    incidents = out.hooks.canary.incidents
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    opening = [v for v in out.violations if any(i.first is v for i in incidents.history)]
+    assert warned == [v.line() for v in opening] and 0 < len(warned) < len(lines)
     parsed = [parse(line) for line in lines]
     victim = fault.injections[0].detail.split()[0].removeprefix("request=")
     first = parsed[0]

@@ -23,7 +23,7 @@ from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for, load_prompts
 from kvcanary.errors import ConfigError
 from kvcanary.faults.campaign import RunSetup
-from kvcanary.runtime.reporting import STATS_RE, VIOLATION_RE, WATCHDOG_RE
+from kvcanary.runtime.reporting import INCIDENTS_RE, STATS_RE, VIOLATION_RE, WATCHDOG_RE
 
 MODELS = {
     "tiny": ModelConfig(),
@@ -107,7 +107,7 @@ class JsonLinesFormatter(logging.Formatter):
     the frozen violation, stats and watchdog lines also ``event`` and ``fields``, parsed with the
     line's regex (integers as numbers)."""
 
-    EVENTS = (("violation", VIOLATION_RE), ("stats", STATS_RE), ("watchdog", WATCHDOG_RE))
+    EVENTS = (("violation", VIOLATION_RE), ("incidents", INCIDENTS_RE), ("stats", STATS_RE), ("watchdog", WATCHDOG_RE))
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()

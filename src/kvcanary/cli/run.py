@@ -41,6 +41,7 @@ from kvcanary.errors import ConfigError
 from kvcanary.faults import FAULTS
 from kvcanary.faults.campaign import RunOutcome, RunSetup, default_faults, run_once
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runtime.incidents import incidents_report
 
 
 def build_report(setup: RunSetup, out: RunOutcome) -> dict:
@@ -77,6 +78,7 @@ def build_report(setup: RunSetup, out: RunOutcome) -> dict:
                    "engine": {k: getattr(setup.engine, k) for k in ("num_slots", "max_ctx", "chunk_size",
                                                                     "max_running", "host_tier_slots")}},
         "first_violations": [v.to_json() for v in out.violations[:20]],
+        **incidents_report([c for c in (canary, out.hooks.window_canary) if c is not None]),
         "timeline": out.timeline,
         "window_pool": out.hooks.window_report(),  # None without sliding-window layers
     }
@@ -102,6 +104,9 @@ def _print_summary(report: dict) -> None:
                               f"{report['step_seconds']:.2f} s stepping)"),
         ("violations", report["violations"]),
     ]
+    if "incidents" in report:
+        rows.append(("incidents (damaged slot x reason)", f"{report['incidents']} ({report['redetections']} "
+                     "re-detections)"))
     rows += _split_rows(report)
     for name, value in rows:
         table.add_row(name, str(value))

@@ -188,6 +188,10 @@ class CanaryHooks(EngineHooks):
             has = win > 0
             self.window_canary.offload(win[has], host_rows.cpu()[has])
 
+    def on_free(self, slots: torch.Tensor) -> None:
+        # incidents of freed slots close (the window pool's close when its slots are stamped again)
+        self.canary.slots_freed(slots)
+
     def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         self.canary.load_back(host_rows, device_slots)
         if self.window_canary is not None:

@@ -9,7 +9,9 @@ HEAD: scatter the token truth, build the plan, verify the prefix (identity), sta
 slots. TAIL: verify the prefix again with fingerprints, record the written slots' fingerprints.
 SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
 carry their records: ``export_rows`` / ``import_rows``, and ``offload`` / ``load_back`` keep a
-host mirror for a host tier (load-back is verified at once).
+host mirror for a host tier (``attach_host_tier`` first; load-back is verified at once). Violations
+are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
+``slots_freed`` so that a slot's incidents close when it is reused.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kvcanary.core.record import (
     new_ring,
     new_stats,
 )
-from kvcanary.errors import CanaryViolation, KVCanaryError
+from kvcanary.errors import CanaryViolation, ConfigError, KVCanaryError
 from kvcanary.ops._common import HAS_TRITON, Backend
 from kvcanary.ops.check import Workspace, check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
@@ -46,6 +48,7 @@ from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
 from kvcanary.ops.verify import verify
 from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
 from kvcanary.runtime.warmup import warm_up
@@ -82,6 +85,7 @@ class StepReport:
     violations: list[Violation] = field(default_factory=list)
     alarms: list[WatchdogAlarm] = field(default_factory=list)
     recovery: Recovery | None = None
+    incidents: list[Incident] = field(default_factory=list)  # opened by this report's violations
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Canary:
         self.reporter = Reporter(self.ring, self.ring_counter, self.stats)
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
+        self.incidents = IncidentTracker()
         self.host_rows: torch.Tensor | None = None
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
@@ -162,6 +167,8 @@ class Canary:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
         self._meta.batch = b
+        if self.incidents.open:  # a rewrite closes an open incident; nothing to track otherwise
+            self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         if self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
@@ -284,6 +291,7 @@ class Canary:
         """Write records that travelled with K/V into ``slots`` (the stamps are content-only, so
         they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
         self.canary[slots.to(self.canary.device)] = rows.to(self.canary.device)
+        self.incidents.note(self._meta.step, slots, "rewritten")
         self.verify_landed(slots)
 
     def verify_landed(self, slots: torch.Tensor) -> int:
@@ -298,19 +306,51 @@ class Canary:
         return self._load_sweep_plan(s, [-1, *s[:-1]], pos, [-1] * len(s))
 
     def attach_host_tier(self, num_rows: int) -> None:
-        """Keep a host mirror of records for a host offload tier of ``num_rows`` rows."""
+        """Keep a host mirror of records for a host offload tier of ``num_rows`` rows (call once,
+        before the first ``offload``)."""
+        if type(num_rows) is not int or num_rows < 1:
+            raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
         self.host_rows = torch.zeros(num_rows, RECORD_BYTES, dtype=torch.uint8,
                                      pin_memory=self.canary.is_cuda)
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Records follow K/V from ``device_slots[i]`` to host row ``host_rows[i]``."""
-        if self.config.enabled and self.host_rows is not None:
+        """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
+        Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows."""
+        self._check_host_move("offload", device_slots, host_rows)
+        if self.config.enabled:
             self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
 
     def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at once."""
-        if self.config.enabled and self.host_rows is not None:
+        """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at
+        once. Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows."""
+        self._check_host_move("load_back", device_slots, host_rows)
+        if self.config.enabled:
             self.import_rows(device_slots, self.host_rows[host_rows.cpu()])
+
+    def _check_host_move(self, op: str, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        if self.host_rows is None:
+            raise KVCanaryError(f"{op}() before attach_host_tier(): this canary has no host tier, so the records "
+                                f"of offloaded slots would not travel and a load-back could not be verified; call "
+                                f"canary.attach_host_tier(num_host_rows) once after building the Canary")
+        for name, t in (("device_slots", device_slots), ("host_rows", host_rows)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise KVCanaryError(f"{op} {name} must be an int64[n] tensor, got {got}")
+        if device_slots.shape != host_rows.shape:
+            raise KVCanaryError(f"{op} device_slots length {device_slots.numel()} != host_rows length "
+                                f"{host_rows.numel()}; pass one host row per slot")
+        if host_rows.numel():
+            lo, hi = int(host_rows.min()), int(host_rows.max())
+            if lo < 0 or hi >= self.host_rows.shape[0]:
+                raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
+                                    f"num_rows), got values in [{lo}, {hi}]")
+
+    def slots_freed(self, slots: torch.Tensor) -> None:
+        """The engine returned ``slots`` (int64[n]) to its allocator: their open incidents close,
+        so damage found after the slots are reused is a new incident. Call it where the engine
+        frees slots (never inside a captured region)."""
+        if self.config.enabled:
+            self.incidents.note(self._meta.step, slots, "freed")
 
     # --- after each step ---------------------------------------------------------------------
 
@@ -328,7 +368,7 @@ class Canary:
         report.violations = self.reporter.collect()
         self.totals.steps += 1
         report.alarms = self.watchdog.observe(self.reporter.latest_stats)
-        self._account(report)
+        self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
         self._apply_policy(report)
         return report
@@ -336,25 +376,34 @@ class Canary:
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
         report = StepReport(step, self.reporter.collect(flush=True))
-        self._account(report)
+        self._account(report, upto_step=step, summary=True)
         self._apply_policy(report)
         return report
 
-    def _account(self, report: StepReport) -> None:
+    def _account(self, report: StepReport, upto_step: int, summary: bool = False) -> None:
+        """Totals, incidents and log lines of a report: a WARNING violation line for each
+        violation that opens an incident, DEBUG for re-detections (counted into the periodic
+        incident summary line, WARNING too)."""
         t = self.totals
-        for v in report.violations:
+        for v, opened in self.incidents.observe(report.violations, upto_step):
             t.violations += 1
             t.by_launch_point[v.point.name] += 1
             for name in Reason.names(v.reasons):
                 t.by_reason[name] += 1
                 t.by_label[name, v.point.name, v.tag.pool.name] += 1
-            log.warning(v.line())
+            report.incidents += opened
+            log.log(logging.WARNING if opened else logging.DEBUG, v.line())
         for a in report.alarms:
             t.watchdog_alarms += 1
             log.error(a.line())
         period = self.config.stats_period
         if period and report.step % period == 0:
             log.info(self.stats_line(report.step))
+        every = self.config.incident_summary_steps
+        if summary or (every and report.step % every == 0):
+            line = self.incidents.summary_line(report.step)
+            if line is not None:  # rate-limited: at most one per incident_summary_steps, only with news
+                log.warning(line)
 
     def _apply_policy(self, report: StepReport) -> None:
         policy = self.config.policy

@@ -7,6 +7,8 @@
 |------------------------------------------|---------|-------------------------------------------------|
 | kvcanary_violations_total                | counter | decoded violations by reason, launch_point, pool|
 |                                          |         | (a violation with two reasons counts in both)   |
+| kvcanary_incidents_total                 | counter | incidents (first detection of a damaged slot and|
+|                                          |         | reason, see runtime.incidents) by the same labels|
 | kvcanary_violation_rows_dropped_total    | counter | rows lost to a full ring (counted, not decoded) |
 | kvcanary_verified_slots_total            | counter | slot checks at HEAD, TAIL and SWEEP             |
 | kvcanary_stamped_slots_total             | counter | slots stamped at HEAD                           |
@@ -57,11 +59,14 @@ class CanaryCollector(Collector):
         with self.lock if self.lock is not None else nullcontext():
             labelled = {(r.name.lower(), p.name, c.pool.name): 0 for c in self.canaries for r in Reason
                         for p in LaunchPoint}
+            incidents = dict(labelled)
             scalars = dict.fromkeys(_SCALARS, 0)
             for c in self.canaries:
                 t, counters = c.totals, c.counters()
                 for key, n in list(t.by_label.items()):
                     labelled[key] = labelled.get(key, 0) + n
+                for key, n in list(c.incidents.by_label.items()):
+                    incidents[key] = incidents.get(key, 0) + n
                 scalars["violation_rows_dropped"] += counters["dropped"]
                 scalars["verified_slots"] += sum(counters[p.name]["checked"] for p in LaunchPoint)
                 scalars["stamped_slots"] += counters["HEAD"]["stamped"]
@@ -71,14 +76,21 @@ class CanaryCollector(Collector):
                 scalars["watchdog_alarms"] += t.watchdog_alarms
                 scalars["steps"] += t.steps
                 scalars["seconds"] += t.seconds
-        yield from self._families(labelled, scalars)
+        yield from self._families(labelled, scalars, incidents)
 
     @staticmethod
-    def _families(labelled: dict, scalars: dict) -> Iterator[Metric]:
+    def _families(labelled: dict, scalars: dict, incidents: dict | None = None) -> Iterator[Metric]:
         fam = CounterMetricFamily("kvcanary_violations", "KV-cache violations reported by the canary, by fail "
                                   "reason, launch point and pool.", labels=VIOLATION_LABELS)
         for key in sorted(labelled):
             fam.add_metric(list(key), labelled[key])
+        yield fam
+        fam = CounterMetricFamily("kvcanary_incidents", "KV-cache incidents: first detections of a damaged slot "
+                                  "and reason (re-detections until the slot is rewritten or freed count as "
+                                  "violations only), by reason, launch point of the first detection and pool.",
+                                  labels=VIOLATION_LABELS)
+        for key in sorted(incidents or {}):
+            fam.add_metric(list(key), incidents[key])
         yield fam
         for name, help_text in _SCALARS.items():
             yield CounterMetricFamily(f"kvcanary_{name}", help_text, value=scalars[name])

@@ -40,6 +40,11 @@ STATS_RE = re.compile(
 WATCHDOG_RE = re.compile(
     r"^kv_canary watchdog: point=(?P<point>[A-Z]+) silent_steps=(?P<silent_steps>\d+) window=(?P<window>\d+) "
     r"checks stopped running$")
+# the incident summary line (``runtime.incidents``, every ``CanaryConfig.incident_summary_steps`` steps with news)
+INCIDENTS_RE = re.compile(
+    r"^kv_canary incidents: step=(?P<step>-?\d+) open=(?P<open>\d+) incidents=(?P<incidents>\d+) "
+    r"redetections=(?P<redetections>\d+) new_incidents=(?P<new_incidents>\d+) "
+    r"new_redetections=(?P<new_redetections>\d+) closed=(?P<closed>\d+)$")
 
 
 @dataclass(frozen=True)

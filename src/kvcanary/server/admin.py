@@ -4,6 +4,7 @@
 |-------------------------------|------|---------------------------------------------------------------|
 | GET  /canary/status           |      | config, totals, device counters, last violations, watchdog    |
 | GET  /canary/violations       |      | violations with id >= ``since`` (at most ``limit``), ``next`` |
+| GET  /canary/incidents        |      | incident totals, the open incidents and the first ``limit``    |
 | POST /canary/sweep            | yes  | sweep every idle cached slot now; what it verified and found  |
 | GET  /canary/slots/{slot}     |      | the slot's decoded record and its owners, if known            |
 | GET  /canary/faults           | yes* | fault kinds and injections so far                             |
@@ -37,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvcanary.core.record import CHAIN, FINGERPRINT, PAD_SLOT, POSITION, TOKEN, LaunchPoint, record_words
 from kvcanary.errors import CanaryViolation
 from kvcanary.runtime.canary import Canary, Recovery, StepReport
+from kvcanary.runtime.incidents import incidents_report
 from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.reporting import StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun
@@ -263,6 +265,14 @@ class CanaryAdmin:
                        limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
             rows, nxt, dropped = self.log.since(since, limit)
             return {"violations": rows, "next": nxt, "dropped": dropped}
+
+        @r.get("/canary/incidents")
+        def incidents(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
+            with self.target.lock:
+                canaries = self.target.canaries()
+                report = incidents_report(canaries, limit)
+                report["open_incidents"] = [i.to_json() for c in canaries for i in c.incidents.open_incidents()][:limit]
+                return report
 
         @r.post("/canary/sweep")
         def sweep(authorization: Auth = None) -> dict:

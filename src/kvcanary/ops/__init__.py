@@ -1,0 +1,42 @@
+"""The canary's ops, each in its own file: validate -> dispatch (Triton on CUDA, vectorised torch
+elsewhere). Every op is exported here under its public name; the modules are internal.
+
+| op                      | file           | what it does                                                 |
+|-------------------------|----------------|--------------------------------------------------------------|
+| offsets_from_lengths    | scatter.py     | int64[bs+1] offsets of a flat per-request tensor            |
+| scatter_req_token_ids   | scatter.py     | flat per-request token ids -> rows of a [rows, max_ctx] table |
+| gather_expected_tokens  | gather.py      | the token each written slot must hold, from the token truth  |
+| build_plan              | plan.py        | the verify entries of a forward (prefix slot + predecessor)  |
+| verify                  | verify.py      | check records against their predecessors; rows to the ring   |
+| stamp                   | stamp.py       | write records for the slots a forward writes (prefix scan)   |
+| fingerprint             | fingerprint.py | hash the K/V bytes of slots, from one or more KV sources     |
+| check_forward           | check.py       | HEAD or TAIL as one fused launch (plan + verify + stamp)     |
+"""
+
+from __future__ import annotations
+
+from kvcanary.ops._common import HAS_TRITON, Backend
+from kvcanary.ops.check import Workspace, check_forward
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
+from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.plan import Plan, build_plan
+from kvcanary.ops.scatter import offsets_from_lengths, scatter_req_token_ids
+from kvcanary.ops.stamp import stamp
+from kvcanary.ops.verify import verify
+
+__all__ = [
+    "HAS_TRITON",
+    "Backend",
+    "FingerprintMode",
+    "KVSource",
+    "Plan",
+    "Workspace",
+    "build_plan",
+    "check_forward",
+    "fingerprint",
+    "gather_expected_tokens",
+    "offsets_from_lengths",
+    "scatter_req_token_ids",
+    "stamp",
+    "verify",
+]

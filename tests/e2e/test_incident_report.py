@@ -1,0 +1,75 @@
+"""Incidents reach every surface: the run report's JSON keys, the incident HTML page and the admin
+route ``GET /canary/incidents``; a clean run has none."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvcanary.cli.run import build_report
+from kvcanary.config import CanaryConfig
+from kvcanary.engine.config import ModelConfig
+from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
+from kvcanary.faults import UsedSlotFlip
+from kvcanary.faults.campaign import RunSetup, run_once
+
+
+def _setup() -> RunSetup:
+    workload = builtin_workload(WorkloadConfig(num_requests=10, max_new_tokens=12, seed=1))
+    return RunSetup(ModelConfig(seed=1), engine_config_for(workload, num_slots=192, host_tier_slots=192),
+                    CanaryConfig(sweep_interval=2), workload)
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    setup = _setup()
+    out = run_once(setup, [UsedSlotFlip(seed=0, warmup_steps=6)])
+    return out, build_report(setup, out)
+
+
+def test_the_run_report_counts_incidents_beside_violations(faulty):
+    out, report = faulty
+    (inj,) = out.injections
+    assert report["violations"] > report["incidents"] >= 1 and report["redetections"] >= 1
+    assert report["violations"] == report["incidents"] + report["redetections"]  # each opens one or re-detects
+    first = report["first_incidents"][0]
+    assert first["slot"] == inj.slot and first["reasons"] == ["fingerprint"] and first["detections"] >= 2
+    assert report["incidents_by_reason"] == {"fingerprint": report["incidents"]}
+    assert sum(x["incidents"] for x in report["incidents_by_label"]) == report["incidents"]
+    assert first["first_violation"] == next(v for v in report["first_violations"] if v["slot"] == inj.slot)
+
+
+def test_a_clean_run_reports_no_incident():
+    setup = _setup()
+    report = build_report(setup, run_once(setup))
+    assert report["violations"] == report["incidents"] == report["redetections"] == 0
+    assert report["first_incidents"] == [] and report["incidents_by_reason"] == {}
+
+
+def test_the_incident_page_lists_the_incidents(faulty):
+    pytest.importorskip("matplotlib")
+    from kvcanary.incident import render_incident
+
+    _, report = faulty
+    page = render_incident(report).html
+    table = page[page.index('<table id="incidents">'):]
+    table = table[: table.index("</table>")]
+    assert table.count("<tr>") == 1 + len(report["first_incidents"])
+    assert f"in {report['incidents']} incident(s)" in page and "fingerprint" in table
+
+
+def test_the_admin_route_answers_the_incidents(faulty):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from kvcanary.server.admin import AdminTarget, CanaryAdmin, admin_app
+
+    out, report = faulty
+    admin = CanaryAdmin(AdminTarget(out.hooks.canary, threading.RLock()))
+    with TestClient(admin_app(admin)) as client:
+        body = client.get("/canary/incidents").json()
+        assert client.get("/canary/incidents?limit=0").status_code in (400, 422)
+    assert body["incidents"] == report["incidents"] and body["redetections"] == report["redetections"]
+    assert body["first_incidents"] == report["first_incidents"]
+    assert [i["id"] for i in body["open_incidents"]] == [i["id"] for i in report["first_incidents"] if i["open"]]
