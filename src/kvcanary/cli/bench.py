@@ -10,7 +10,7 @@ from typing import Annotated
 import torch
 import typer
 
-from kvcanary.bench.ops import run_ops
+from kvcanary.bench.op_cases import run_ops
 from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
 from kvcanary.cli._app import DeviceName, app
 
