@@ -43,8 +43,8 @@ def bench(
 ) -> None:
     """Run the chosen benchmarks; JSON with ``--json``."""
     if device is None:
-        device = DeviceName.cuda if torch.cuda.is_available() else DeviceName.cpu
-    if device is DeviceName.cuda and not torch.cuda.is_available():
+        device = DeviceName.CUDA if torch.cuda.is_available() else DeviceName.CPU
+    if device is DeviceName.CUDA and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
     chosen = None
     if modes is not None:

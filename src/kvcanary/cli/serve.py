@@ -3,7 +3,6 @@ admin routes and Prometheus metrics mounted."""
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 from typing import Annotated
@@ -11,13 +10,9 @@ from typing import Annotated
 import typer
 
 from kvcanary.cli._app import (
-    MODELS,
     Device,
-    DeviceName,
     Model,
-    ModelSize,
-    PolicyName,
-    RealKV,
+    PolicyOption,
     RealKv,
     Seed,
     SweepBudget,
@@ -25,14 +20,17 @@ from kvcanary.cli._app import (
     Threads,
     Verbose,
     app,
+    canary_options,
     err_console,
+    options_checked,
+    require_extra,
     set_threads,
     setup_logging,
 )
-from kvcanary.config import CanaryConfig, Policy
+from kvcanary.config import Policy
 from kvcanary.engine.config import EngineConfig
-from kvcanary.errors import ConfigError
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.setup import DeviceName, ModelPreset, canary_config, check_device, model_config
 
 
 def _is_loopback(host: str) -> bool:
@@ -48,13 +46,11 @@ def _is_loopback(host: str) -> bool:
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
-    model: Model = ModelSize.tiny,
-    device: Device = DeviceName.cpu,
+    model: Model = ModelPreset.TINY,
+    device: Device = DeviceName.CPU,
     seed: Seed = 0,
-    policy: Annotated[PolicyName, typer.Option("--policy", help="off, log, raise (the engine stops at the first "
-                                               "violation; the admin routes keep answering) or recompute.")] = (
-        PolicyName.log),
-    real_kv: RealKv = RealKV.partial,
+    policy: PolicyOption = Policy.LOG,
+    real_kv: RealKv = FingerprintMode.PARTIAL,
     sweep_interval: SweepInterval = 8,
     sweep_budget: SweepBudget = 1 << 20,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats lines "
@@ -69,6 +65,8 @@ def serve(
     verbose: Verbose = False,
 ) -> None:
     """Run the server until interrupted."""
+    require_extra("fastapi", "server", "kv-canary serve")
+    require_extra("uvicorn", "server", "kv-canary serve")
     import uvicorn
 
     from kvcanary.server.admin import AdminConfig
@@ -77,22 +75,14 @@ def serve(
 
     set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
-    if device is DeviceName.cuda:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
-    try:
+    with options_checked():
         config = ServeConfig(
-            model=dataclasses.replace(MODELS[model.value], seed=seed),
+            model=model_config(model, seed),
             engine=EngineConfig(num_slots=num_slots, max_ctx=max_ctx, chunk_size=64, host_tier_slots=num_slots // 2,
-                                device=device.value),
-            canary=CanaryConfig(policy=Policy(policy.value), real_kv=FingerprintMode[real_kv.name.upper()],
-                                sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget,
-                                stats_period=stats_period),
+                                device=check_device(device)),
+            canary=canary_config(canary_options(policy, real_kv, sweep_interval, sweep_budget,
+                                                stats_period=stats_period)),
             admin=AdminConfig(token=admin_token, enable_faults=enable_faults))
-    except (ConfigError, ValueError) as e:
-        raise typer.BadParameter(str(e)) from None
     if not _is_loopback(host) and admin_token is None:
         err_console.print(f"[yellow]warning:[/] binding {host} without --admin-token: anyone who reaches it can "
                           "run sweeps" + (" and inject faults" if enable_faults else ""))
