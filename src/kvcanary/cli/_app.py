@@ -82,7 +82,7 @@ def options_checked():
     try:
         yield
     except MissingExtra as e:
-        err_console.print(str(e), markup=False, highlight=False)
+        print(e, file=sys.stderr)  # one unwrapped line
         raise typer.Exit(2) from None
     except OptionError as e:
         raise typer.BadParameter(str(e), param_hint=e.option) from None
@@ -93,7 +93,7 @@ def options_checked():
 def require_extra(module: str, extra: str, what: str) -> None:
     """One line naming the extra and exit 2 when ``module`` cannot be imported."""
     if importlib.util.find_spec(module) is None:
-        err_console.print(str(MissingExtra(extra, what)), markup=False, highlight=False)
+        print(MissingExtra(extra, what), file=sys.stderr)  # one unwrapped line
         raise typer.Exit(2)
 
 

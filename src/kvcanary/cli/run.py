@@ -27,6 +27,7 @@ from kvcanary.cli._app import (
     console,
     options_checked,
     progress_bar,
+    require_extra,
     set_threads,
     setup_logging,
     tracker,
@@ -128,6 +129,8 @@ def run(
     """The main job: summary on stdout, JSON report with ``--report``."""
     set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
+    if engine is EngineKind.TRANSFORMERS:
+        require_extra("transformers", "transformers", "--engine transformers")
     with options_checked():
         options = RunOptions(
             requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
