@@ -12,7 +12,8 @@ import typer
 
 from kvcanary.bench.op_cases import run_ops
 from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
-from kvcanary.cli._app import DeviceName, app
+from kvcanary.cli._app import app
+from kvcanary.runs.setup import DeviceName
 
 
 class BenchWhat(str, enum.Enum):

@@ -10,26 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcanary.cli._app import (
-    Device,
-    MaxNewTokens,
-    Model,
-    RealKv,
-    Requests,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    canary_options,
-    console,
-    options_checked,
-    progress_bar,
-    set_threads,
-    setup_logging,
-    tracker,
-)
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, console, options_checked, progress_bar, setup_logging, tracker
 from kvcanary.engine.config import Bug
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.engine.zoo import CATALOGUE
@@ -48,21 +30,21 @@ ALL = "all"  # every kind
                   "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
                   "run reported anything.")
 def demo(
-    requests: Requests = DEMO.run.requests,
-    max_new_tokens: MaxNewTokens = DEMO.run.max_new_tokens,
-    seed: Seed = DEMO.run.seed,
-    model: Model = DEMO.run.model,
-    device: Device = DEMO.run.device,
-    real_kv: RealKv = DEMO.run.canary.real_kv,
-    sweep_interval: SweepInterval = DEMO.run.canary.sweep_interval,
-    sweep_budget: SweepBudget = DEMO.run.canary.sweep_budget,
+    requests: opt.Requests = DEMO.run.requests,
+    max_new_tokens: opt.MaxNewTokens = DEMO.run.max_new_tokens,
+    seed: opt.Seed = DEMO.run.seed,
+    model: opt.Model = DEMO.run.model,
+    device: opt.Device = DEMO.run.device,
+    real_kv: opt.RealKv = opt.MODE_NAMES[DEMO.run.canary.real_kv],
+    sweep_interval: opt.SweepInterval = DEMO.run.canary.sweep_interval,
+    sweep_budget: opt.SweepBudget = DEMO.run.canary.sweep_budget,
     faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject (all: every kind "
                                         "of kvcanary.faults.FAULTS).")] = ALL,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = (
         DEMO.run.fault_warmup),
     bugs: Annotated[str, typer.Option("--bugs", help="Comma-separated zoo bugs to switch on, one run each "
                                       "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
-    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
+    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="opt.Requests of each zoo run's built-in "
                                               "workload.")] = DEMO.zoo_requests,
     window_faults: Annotated[str, typer.Option("--window-faults", help="Comma-separated sliding-window fault kinds, "
                                                "run on --model hybrid-swa (all: every kind; empty: none).")] = ALL,
@@ -71,14 +53,14 @@ def demo(
     pd_warmup: Annotated[int, typer.Option("--pd-warmup", min=0, help="Decode-engine steps before each transfer "
                                            "fault may act.")] = DEMO.pd_warmup,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """The fault matrix and the zoo on the built-in workload: tables on stdout, JSON with ``--json``."""
     from kvcanary.faults import FAULTS, PD_FAULTS, WINDOW_FAULTS  # the demo is the fault code's user
     from kvcanary.runs.campaign import run_campaign, run_pd_campaign, run_zoo, zoo_cases
 
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.WARNING if verbose else logging.CRITICAL)
     names = _names(faults, FAULTS, "--faults")
     window_names = _names(window_faults, WINDOW_FAULTS, "--window-faults")
@@ -90,7 +72,7 @@ def demo(
                                  param_hint="--bugs")
     with options_checked():
         base = RunOptions(requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
-                          canary=canary_options(DEMO.run.canary.policy, real_kv, sweep_interval, sweep_budget))
+                          canary=opt.canary_options(DEMO.run.canary.policy, real_kv, sweep_interval, sweep_budget))
         setup = run_setup(base)
         split = RunOptions(**{**base.__dict__, "requests": max(requests, SPLIT_MIN_REQUESTS)})
         window_setup = run_setup(RunOptions(**{**split.__dict__, "model": ModelPreset.HYBRID_SWA}))

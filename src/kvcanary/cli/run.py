@@ -10,28 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcanary.cli._app import (
-    Device,
-    MaxNewTokens,
-    Model,
-    PolicyOption,
-    RealKv,
-    Requests,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    canary_options,
-    console,
-    options_checked,
-    progress_bar,
-    require_extra,
-    set_threads,
-    setup_logging,
-    tracker,
-)
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, console, options_checked, progress_bar, require_extra, setup_logging, tracker
 from kvcanary.runs.report import RunReport
 from kvcanary.runs.run import run as run_options
 from kvcanary.runs.setup import EngineKind, RunOptions
@@ -93,15 +73,15 @@ def _split_rows(report: dict) -> list[tuple[str, object]]:
                   "when the canary reported nothing, 1 when it reported a violation (or its watchdog fired, or the "
                   "raise policy stopped the run).")
 def run(
-    requests: Requests = RUN.requests,
-    max_new_tokens: MaxNewTokens = RUN.max_new_tokens,
-    seed: Seed = RUN.seed,
-    model: Model = RUN.model,
-    device: Device = RUN.device,
-    policy: PolicyOption = RUN.canary.policy,
-    real_kv: RealKv = RUN.canary.real_kv,
-    sweep_interval: SweepInterval = RUN.canary.sweep_interval,
-    sweep_budget: SweepBudget = RUN.canary.sweep_budget,
+    requests: opt.Requests = RUN.requests,
+    max_new_tokens: opt.MaxNewTokens = RUN.max_new_tokens,
+    seed: opt.Seed = RUN.seed,
+    model: opt.Model = RUN.model,
+    device: opt.Device = RUN.device,
+    policy: opt.PolicyOption = RUN.canary.policy,
+    real_kv: opt.RealKv = opt.MODE_NAMES[RUN.canary.real_kv],
+    sweep_interval: opt.SweepInterval = RUN.canary.sweep_interval,
+    sweep_budget: opt.SweepBudget = RUN.canary.sweep_budget,
     no_truth: Annotated[bool, typer.Option("--no-truth", help="Do not check tokens against the requests' "
                                            "token history.")] = not RUN.canary.truth,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats "
@@ -123,18 +103,18 @@ def run(
                                     "process each (gloo on CPU, NCCL on CUDA); reports per rank.")] = RUN.tp,
     pd: Annotated[bool, typer.Option("--pd", help="Prefill/decode split: one reference engine prefills, a second "
                                      "receives the K/V and canary rows and decodes.")] = RUN.pd,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """The main job: summary on stdout, JSON report with ``--report``."""
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
     if engine is EngineKind.TRANSFORMERS:
         require_extra("transformers", "transformers", "--engine transformers")
     with options_checked():
         options = RunOptions(
             requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
-            canary=canary_options(policy, real_kv, sweep_interval, sweep_budget, not no_truth, stats_period),
+            canary=opt.canary_options(policy, real_kv, sweep_interval, sweep_budget, not no_truth, stats_period),
             prompts=prompts, faults=tuple(fault or ()), fault_warmup=fault_warmup, engine=engine, tp=tp, pd=pd)
         with progress_bar() as progress:
             total = options.requests if prompts is None else 0

@@ -9,24 +9,8 @@ from typing import Annotated
 
 import typer
 
-from kvcanary.cli._app import (
-    Device,
-    Model,
-    PolicyOption,
-    RealKv,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    canary_options,
-    err_console,
-    options_checked,
-    require_extra,
-    set_threads,
-    setup_logging,
-)
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, err_console, options_checked, require_extra, setup_logging
 from kvcanary.config import Policy
 from kvcanary.engine.config import EngineConfig
 from kvcanary.ops.fingerprint import FingerprintMode
@@ -46,13 +30,13 @@ def _is_loopback(host: str) -> bool:
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
-    model: Model = ModelPreset.TINY,
-    device: Device = DeviceName.CPU,
-    seed: Seed = 0,
-    policy: PolicyOption = Policy.LOG,
-    real_kv: RealKv = FingerprintMode.PARTIAL,
-    sweep_interval: SweepInterval = 8,
-    sweep_budget: SweepBudget = 1 << 20,
+    model: opt.Model = ModelPreset.TINY,
+    device: opt.Device = DeviceName.CPU,
+    seed: opt.Seed = 0,
+    policy: opt.PolicyOption = Policy.LOG,
+    real_kv: opt.RealKv = opt.MODE_NAMES[FingerprintMode.PARTIAL],
+    sweep_interval: opt.SweepInterval = 8,
+    sweep_budget: opt.SweepBudget = 1 << 20,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats lines "
                                               "(0 = never).")] = 0,
     num_slots: Annotated[int, typer.Option("--num-slots", min=2, help="KV slots of the engine's pool.")] = 4096,
@@ -61,8 +45,8 @@ def serve(
                                                     help="Bearer token the mutating admin routes require.")] = None,
     enable_faults: Annotated[bool, typer.Option("--enable-faults", help="Serve the fault-injection routes "
                                                 "(refused otherwise).")] = False,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """Run the server until interrupted."""
     require_extra("fastapi", "server", "kv-canary serve")
@@ -73,14 +57,14 @@ def serve(
     from kvcanary.server.app import build_app
     from kvcanary.server.service import ServeConfig
 
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
     with options_checked():
         config = ServeConfig(
             model=model_config(model, seed),
             engine=EngineConfig(num_slots=num_slots, max_ctx=max_ctx, chunk_size=64, host_tier_slots=num_slots // 2,
                                 device=check_device(device)),
-            canary=canary_config(canary_options(policy, real_kv, sweep_interval, sweep_budget,
+            canary=canary_config(opt.canary_options(policy, real_kv, sweep_interval, sweep_budget,
                                                 stats_period=stats_period)),
             admin=AdminConfig(token=admin_token, enable_faults=enable_faults))
     if not _is_loopback(host) and admin_token is None:

@@ -10,21 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcanary.cli._app import (
-    Device,
-    Model,
-    RealKv,
-    Seed,
-    Threads,
-    Verbose,
-    app,
-    canary_options,
-    console,
-    options_checked,
-    progress_bar,
-    set_threads,
-    setup_logging,
-)
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, console, options_checked, progress_bar, setup_logging
 from kvcanary.runs.setup import SoakOptions
 from kvcanary.runs.soak import MECHANISMS, SoakReport
 from kvcanary.runs.soak import soak as run_soak
@@ -39,23 +26,23 @@ SOAK = SoakOptions()  # the defaults of every option below
 def soak(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Generated tokens to run for (the default takes "
                                         "about a minute on two CPU cores).")] = SOAK.tokens,
-    seed: Seed = SOAK.seed,
-    model: Model = SOAK.model,
-    device: Device = SOAK.device,
-    real_kv: RealKv = SOAK.canary.real_kv,
+    seed: opt.Seed = SOAK.seed,
+    model: opt.Model = SOAK.model,
+    device: opt.Device = SOAK.device,
+    real_kv: opt.RealKv = opt.MODE_NAMES[SOAK.canary.real_kv],
     sweep_interval: Annotated[int, typer.Option("--sweep-interval", min=1, help="Steps between sweeps of idle "
                                                 "prefix-cache slots.")] = SOAK.canary.sweep_interval,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """A clean soak: mechanism counts on stdout, JSON with ``--json``."""
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.WARNING if verbose else logging.ERROR)
     c = SOAK.canary
     with options_checked():
         options = SoakOptions(tokens=tokens, seed=seed, model=model, device=device,
-                              canary=canary_options(c.policy, real_kv, sweep_interval, c.sweep_budget))
+                              canary=opt.canary_options(c.policy, real_kv, sweep_interval, c.sweep_budget))
         with progress_bar() as progress:
             task = progress.add_task("generated tokens", total=tokens)
             result = run_soak(options, lambda n: progress.update(task, completed=min(n, tokens)))
@@ -73,8 +60,9 @@ def soak(
 
 def _print_soak(result: SoakReport, tokens: int) -> None:
     c = result.canary
-    table = Table(title=f"kv-canary soak: {result.generated_tokens} tokens ({tokens} asked), {result.requests} "
-                        f"requests, {result.steps} steps, {result.wall_seconds:.1f} s; {c.protected_slots} slots "
+    n = result.counts
+    table = Table(title=f"kv-canary soak: {n.generated_tokens} tokens ({tokens} asked), {n.requests} "
+                        f"requests, {n.steps} steps, {result.wall_seconds:.1f} s; {c.protected_slots} slots "
                         f"stamped, {c.verified_slots} slot checks", title_justify="left")
     for col in ("mechanism", "count", "what"):
         table.add_column(col)

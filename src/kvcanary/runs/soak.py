@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvcanary.engine.canary_hooks import CanaryHooks
 from kvcanary.engine.engine import Engine, StepResult
 from kvcanary.engine.workload import Workload, WorkloadConfig, builtin_workload, engine_config_for
-from kvcanary.runs.driver import Driver
+from kvcanary.runs.driver import Driver, RunCounts
 from kvcanary.runs.report import CanaryCounts
 from kvcanary.runs.setup import SoakOptions, canary_config, check_device, model_config
 from kvcanary.runs.single import canaries, instrument
@@ -54,12 +54,12 @@ def soak_workload(tokens: int, config: WorkloadConfig | None = None) -> Workload
 
 @dataclass
 class SoakReport:
-    requests: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    wall_seconds: float = 0.0
-    mechanisms: dict[str, int] = field(default_factory=dict)
-    canary: CanaryCounts = field(default_factory=CanaryCounts)
+    """What a soak ran (``counts``), how often each mechanism ran, what the canary reported."""
+
+    counts: RunCounts
+    wall_seconds: float
+    mechanisms: dict[str, int]
+    canary: CanaryCounts
     engine: dict[str, int] = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the engine's: device, num_slots, host_tier_slots
 
@@ -74,9 +74,10 @@ class SoakReport:
 
     def to_json(self) -> dict:
         c = self.canary
-        return {"passed": self.passed, "requests": self.requests, "generated_tokens": self.generated_tokens,
-                "steps": self.steps, "wall_seconds": self.wall_seconds,
-                "tokens_per_second": self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0,
+        n = self.counts
+        return {"passed": self.passed, "requests": n.requests, "generated_tokens": n.generated_tokens,
+                "steps": n.steps, "wall_seconds": self.wall_seconds,
+                "tokens_per_second": n.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0,
                 "mechanisms": dict(self.mechanisms), "missing_mechanisms": self.missing,
                 "violations": c.violations, "by_reason": dict(sorted(c.by_reason.items())),
                 "watchdog_alarms": c.watchdog_alarms, "protected_slots": c.protected_slots,
@@ -114,9 +115,7 @@ def run_soak(engine: Engine, hooks: CanaryHooks, workload: Workload,
                   "offloaded_slots": stats.num_offloaded_slots, "loaded_slots": stats.num_loaded_slots,
                   "prefill_chunks": seen.prefill_chunks, "aborts": stats.num_aborts,
                   "preemptions": stats.num_preemptions, "sweeps": canary.sweeps}
-    return SoakReport(requests=counts.requests, generated_tokens=counts.generated_tokens, steps=stats.num_steps,
-                      wall_seconds=time.perf_counter() - t0, mechanisms=mechanisms, canary=canary,
-                      engine=stats.as_dict())
+    return SoakReport(counts, time.perf_counter() - t0, mechanisms, canary, stats.as_dict())
 
 
 def soak(options: SoakOptions, progress: Callable[[int], None] | None = None) -> SoakReport:
