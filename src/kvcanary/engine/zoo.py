@@ -5,7 +5,7 @@ in the engine where its bug class lives in real engines, acts only under that bu
 and logs every act as a ``ZooEvent`` in ``Engine.zoo`` (so a run can tell the violations the bug
 explains from false positives). ``CATALOGUE`` documents each one: the public bug it re-creates,
 where its switch is, what it does, and what the canary reports first with every check on (token
-truth, ``real_kv`` fingerprints, sweeps). ``kvcanary.faults.zoo_campaign`` triggers each one
+truth, ``real_kv`` fingerprints, sweeps). ``kvcanary.runs.campaign`` triggers each one
 with a workload and checks that expectation.
 
 The engine runs one step at a time on one stream, so the races (``abort_inflight_write``,
