@@ -48,8 +48,9 @@ def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-def test_a_clean_run_imports_no_fault_code():
-    out = probe("run", *SMALL)
+@pytest.mark.parametrize("mode", [(), ("--pd",)], ids=["single", "pd"])
+def test_a_clean_run_imports_no_fault_code(mode):
+    out = probe("run", *SMALL, *mode)
     assert out.returncode == 0, out.stderr
     assert fault_modules(out) == []
 
