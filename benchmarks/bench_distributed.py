@@ -34,14 +34,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from kvcanary.cli._app import MODELS
-from kvcanary.cli.tp_run import RankJob, init_rank, spawn_ranks
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.distributed import RankAgreement
 from kvcanary.engine.config import SamplerKind
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.faults import PageTableRepoint
-from kvcanary.faults.campaign import RunSetup
+from kvcanary.runs.setup import MODELS, ModelPreset, RunSetup
+from kvcanary.runs.tp import RankJob, init_rank, spawn_ranks
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry
 
@@ -145,7 +144,7 @@ def cost_main(rank: int, world: int, port: int, jobs, results, log_level: int, t
 
 
 def run_jobs(device: str, requests: int) -> list[RankJob]:
-    model = dataclasses.replace(MODELS["small"], seed=0)
+    model = dataclasses.replace(MODELS[ModelPreset.SMALL], seed=0)
     workload = builtin_workload(WorkloadConfig(num_requests=requests, max_new_tokens=16, vocab_size=model.vocab_size))
     engine = engine_config_for(workload, device, sampler=SamplerKind.GREEDY)
     setup = lambda policy: RunSetup(model, engine, CanaryConfig(policy=policy, sweep_interval=8), workload)
@@ -189,7 +188,8 @@ def main(argv=None) -> None:
                    args.steps, args.blocks)
     threads = 1 if args.device == "cpu" else 4
     cost_ranks = spawn_ranks(2, [cost], threads=threads, target=cost_main)["cost"]
-    runs = spawn_ranks(2, run_jobs(args.device, args.requests), threads=threads)
+    runs = {name: [r.to_json() for r in ranks]
+            for name, ranks in spawn_ranks(2, run_jobs(args.device, args.requests), threads=threads).items()}
     summary = [summarise_run(name, ranks, runs["clean"]) for name, ranks in runs.items()]
     env = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
            "backend": "nccl" if args.device == "cuda" else "gloo", "world": 2}

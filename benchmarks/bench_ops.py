@@ -21,7 +21,7 @@ CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in 
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kvcanary.ops imports it)
 
-from kvcanary.bench.ops import run_ops  # noqa: E402
+from kvcanary.bench.op_cases import run_ops  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,11 @@
-"""The layering of DESIGN.md §5 holds: imports point down only, and the runtime never imports the engine."""
+"""The layering of DESIGN.md §5 holds for every module of the package: imports point down only,
+no import cycle (late imports included), no private module imported from another package.
+
+    cli / server > runs > faults > engine / adapters > distributed > runtime > ops > core
+
+``config`` and ``errors`` sit beside ``core``/``ops``; ``bench`` measures ``ops`` and ``runtime``;
+``incident`` renders a run's JSON report for the CLI.
+"""
 
 from __future__ import annotations
 
@@ -8,43 +15,126 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvcanary"
+BASE = {"core", "errors"}
 # layer -> the kvcanary layers it may import (itself included)
 ALLOWED = {
-    "core": {"core", "errors"},
-    "ops": {"core", "ops", "errors"},
-    "config": {"core", "ops", "errors"},
-    "runtime": {"core", "ops", "runtime", "config", "errors"},
-    "engine": {"core", "ops", "runtime", "distributed", "engine", "config", "errors"},
-    "adapters": {"core", "ops", "runtime", "adapters", "config", "errors"},
-    "distributed": {"core", "ops", "runtime", "distributed", "config", "errors"},
-    "faults": {"core", "ops", "runtime", "engine", "faults", "config", "errors"},
+    "errors": {"errors"},
+    "core": BASE,
+    "ops": BASE | {"ops"},
+    "config": BASE | {"ops", "config"},
+    "runtime": BASE | {"ops", "config", "runtime"},
+    "distributed": BASE | {"ops", "config", "runtime", "distributed"},
+    "engine": BASE | {"ops", "config", "runtime", "distributed", "engine"},
+    "adapters": BASE | {"ops", "config", "runtime", "adapters"},
+    "faults": BASE | {"ops", "config", "runtime", "engine", "faults"},
+    "runs": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs"},
+    "bench": BASE | {"ops", "config", "runtime", "bench"},
+    "incident": BASE | {"incident"},
+    "server": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs", "server"},
+    "cli": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs", "bench",
+                   "incident", "server", "cli", "__init__"},
+    "__init__": {"__init__"},
+    "__main__": {"cli", "__main__"},
 }
+MODULES = sorted(SRC.rglob("*.py"))
 
 
-def _layer(path: Path) -> str:
-    rel = path.relative_to(SRC).parts
-    return rel[0].removesuffix(".py")
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _kvcanary_imports(path: Path) -> set[str]:
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+NAMES = {_module(p) for p in MODULES}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every kvcanary module ``path`` imports, anywhere in the file (late and type-only imports
+    included); ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "kvcanary" and len(parts) > 1:
-                out.add(parts[1])
+            out |= {a.name for a in node.names if a.name.startswith("kvcanary")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvcanary"):
+            subs = {f"{node.module}.{a.name}" for a in node.names} & NAMES
+            out |= subs or {node.module}
     return out
 
 
-@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+GRAPH = {_module(p): _imports(p) for p in MODULES}
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted({_layer(m) for m in GRAPH} - set(ALLOWED))
+    assert not unknown, f"modules of {unknown} have no layer; add them to ALLOWED (DESIGN.md §5)"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
 def test_imports_point_down(path):
-    layer = _layer(path)
-    if layer not in ALLOWED:
-        return  # cli, server, __main__, workload: the top may import anything
-    bad = _kvcanary_imports(path) - ALLOWED[layer]
-    assert not bad, f"{path.relative_to(SRC)} ({layer}) imports {sorted(bad)}; allowed: {sorted(ALLOWED[layer])}"
+    module = _module(path)
+    layer = _layer(module)
+    bad = sorted({_layer(m) for m in GRAPH[module]} - ALLOWED.get(layer, set()))
+    assert not bad, f"{module} ({layer}) imports {bad}; allowed: {sorted(ALLOWED.get(layer, ()))}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_no_private_module_of_another_package(path):
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    bad = sorted(m for m in GRAPH[module] if any(p.startswith("_") for p in m.split(".")[1:])
+                 and m.rpartition(".")[0] != package)
+    assert not bad, f"{module} imports private {bad} of another package; import a public module instead"
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle among the modules, or None (depth-first search, edges to modules only)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(GRAPH.get(m, ())):
+            if n not in GRAPH:
+                continue
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(GRAPH):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _cycle()
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The cycle search and the private-module rule catch what they are for."""
+    global GRAPH
+    saved = GRAPH
+    try:
+        GRAPH = {"kvcanary.a.x": {"kvcanary.a.y"}, "kvcanary.a.y": {"kvcanary.a.x"}}
+        assert _cycle() == ["kvcanary.a.x", "kvcanary.a.y", "kvcanary.a.x"]
+    finally:
+        GRAPH = saved
+    f = tmp_path / "m.py"
+    f.write_text("from kvcanary.ops._common import HAS_TRITON\nimport kvcanary.engine.pool\n")
+    assert _imports(f) == {"kvcanary.ops._common", "kvcanary.engine.pool"}
+
+
+@pytest.mark.parametrize("path", sorted((SRC.parents[1] / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_benchmarks_import_public_modules_only(path):
+    bad = sorted(m for m in _imports(path) if any(p.startswith("_") for p in m.split(".")[1:]))
+    assert not bad, f"{path.name} imports private {bad}; import a public module instead"

@@ -7,12 +7,12 @@ import random
 import torch
 import torch.distributed as dist
 
-from kvcanary.cli.tp_run import init_rank, run_rank_job
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.tp import build_rank_engine
 from kvcanary.faults.base import Expectation, Fault
+from kvcanary.runs.tp import init_rank, run_rank_job
 
 LOGITS_MODEL = ModelConfig(num_heads=4, num_kv_heads=2, intermediate=96, seed=3)
 LOGITS_ENGINE = EngineConfig(num_slots=512, max_rows=17, max_ctx=64, chunk_size=8, max_tokens_per_step=48,

@@ -14,10 +14,11 @@ from kvcanary.distributed.signal import ROWS, STEP
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.model import TinyLlama
 from kvcanary.engine.tp import RankCanaryHooks, build_rank_engine, rank_model_config
-from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for, run_workload
+from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.errors import CanaryViolation, ConfigError
 from kvcanary.faults import PageTableRepoint
 from kvcanary.faults.hooks import FaultHooks
+from kvcanary.runs.driver import run_workload
 from kvcanary.runtime.canary import Canary, PoolGeometry
 
 

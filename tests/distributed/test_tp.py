@@ -12,14 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.cli.tp_run import RankJob, aggregate, spawn_ranks
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine.config import ModelConfig, SamplerKind
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
-from kvcanary.faults.campaign import RunSetup, run_once
 from kvcanary.faults.page_table_repoint import PageTableRepoint
 from kvcanary.faults.sliding_window_lut import SlidingWindowLut
+from kvcanary.runs.report import RunReport, merge_ranks
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import run_once
+from kvcanary.runs.tp import RankJob, spawn_ranks
 
 from ._ranks import LOGITS_ENGINE, LOGITS_MODEL, SamplerDivergence, main, step_logits
 
@@ -53,15 +55,21 @@ JOBS = [
 
 
 @pytest.fixture(scope="module")
-def runs():
+def reports():
     return spawn_ranks(2, JOBS, target=main)
+
+
+@pytest.fixture(scope="module")
+def runs(reports):
+    """Each job's per-rank reports as their JSON."""
+    return {name: [r.to_json() if isinstance(r, RunReport) else r for r in ranks] for name, ranks in reports.items()}
 
 
 @pytest.fixture(scope="module")
 def single_rank_outputs():
     out = run_once(setup())
     assert out.violations == []
-    return [out.engine.output_ids(i) for i in out.counts["request_ids"]]
+    return [out.engine.output_ids(i) for i in out.counts.request_ids]
 
 
 def test_sharded_logits_equal_one_engine_bit_for_bit(runs):
@@ -75,13 +83,13 @@ def test_sharded_logits_equal_one_engine_bit_for_bit(runs):
                 assert torch.equal(g[rid], w[rid]), f"rank {rank['rank']} step {step} request {rid}"
 
 
-def test_clean_run_reports_nothing_on_any_rank(runs, single_rank_outputs):
+def test_clean_run_reports_nothing_on_any_rank(runs, reports, single_rank_outputs):
     ranks = runs["clean"]
     for r in ranks:
         assert r["violations"] == 0 and r["rank_divergences"] == [] and r["stopped"] is None
         assert r["protected_slots"] > 0 and r["verified_slots"] > 0 and r["engine"]["num_loaded_slots"] > 0
         assert r["outputs"] == single_rank_outputs  # TP delivers what one engine does
-    report = aggregate(ranks)
+    report = merge_ranks(reports["clean"]).to_json()
     assert report["violations"] == 0 and len(report["ranks"]) == 2
     assert report["protected_slots"] == sum(r["protected_slots"] for r in ranks)
 
@@ -147,7 +155,7 @@ def test_a_window_pool_fault_on_rank_1_is_recomputed_on_both_ranks(runs):
     assert rank0["recoveries"] and rank0["recoveries"] == rank1["recoveries"]
     clean = run_once(setup(model=HYBRID))
     assert clean.violations == []
-    want = [clean.engine.output_ids(i) for i in clean.counts["request_ids"]]
+    want = [clean.engine.output_ids(i) for i in clean.counts.request_ids]
     assert rank0["outputs"] == rank1["outputs"] == want
 
 

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvcanary.cli.tp_run import RankJob, spawn_ranks
 from kvcanary.config import Policy
-from kvcanary.faults.campaign import run_once
+from kvcanary.runs.single import run_once
+from kvcanary.runs.tp import RankJob, spawn_ranks
 
 from .test_tp import WARMUP, repoint, setup
 
@@ -28,9 +28,9 @@ def test_clean_and_fault_runs_on_two_gpus():
             RankJob("fault_log", cuda_setup(), repoint(), fault_rank=1),
             RankJob("fault_raise", cuda_setup(Policy.RAISE), repoint(), fault_rank=1),
             RankJob("fault_recompute", cuda_setup(Policy.RECOMPUTE), repoint(), fault_rank=1, keep_outputs=True)]
-    runs = spawn_ranks(2, jobs, threads=2)
+    runs = {name: [r.to_json() for r in ranks] for name, ranks in spawn_ranks(2, jobs, threads=2).items()}
     single = run_once(cuda_setup())
-    want = [single.engine.output_ids(i) for i in single.counts["request_ids"]]
+    want = [single.engine.output_ids(i) for i in single.counts.request_ids]
     for r in runs["clean"]:
         assert r["violations"] == 0 and r["rank_divergences"] == [] and r["outputs"] == want
     rank0, rank1 = runs["fault_log"]

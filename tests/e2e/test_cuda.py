@@ -9,7 +9,9 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
-from kvcanary.faults.campaign import RunSetup, run_campaign, run_once
+from kvcanary.runs.campaign import run_campaign
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import run_once
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

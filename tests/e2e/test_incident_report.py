@@ -12,7 +12,8 @@ from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.faults import UsedSlotFlip
-from kvcanary.faults.campaign import RunSetup, run_once
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import run_once
 
 
 def _setup() -> RunSetup:

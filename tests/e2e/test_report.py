@@ -15,14 +15,14 @@ from typer.testing import CliRunner
 
 from kvcanary.cli import app
 from kvcanary.cli._app import JsonLinesFormatter
-from kvcanary.cli.run import build_report
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.faults import UsedSlotFlip
-from kvcanary.faults.campaign import RunSetup, run_once
 from kvcanary.incident import load_report, render_incident, write_incident
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import report, run_once
 from kvcanary.runtime.canary import Canary, PoolGeometry
 from kvcanary.runtime.reporting import STATS_RE, WATCHDOG_RE
 from kvcanary.runtime.watchdog import WatchdogAlarm
@@ -39,13 +39,13 @@ def _setup() -> RunSetup:
 @pytest.fixture(scope="module")
 def faulty_report() -> dict:
     setup = _setup()
-    return build_report(setup, run_once(setup, [UsedSlotFlip(seed=0, warmup_steps=6)]))
+    return report(setup, run_once(setup, [UsedSlotFlip(seed=0, warmup_steps=6)])).to_json()
 
 
 @pytest.fixture(scope="module")
 def clean_report() -> dict:
     setup = _setup()
-    return build_report(setup, run_once(setup))
+    return report(setup, run_once(setup)).to_json()
 
 
 def test_timeline_adds_up_to_the_run_totals(faulty_report):

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from kvcanary.cli import app
 from kvcanary.engine.workload import WorkloadConfig
-from kvcanary.soak import MECHANISMS, soak_workload
+from kvcanary.runs.soak import MECHANISMS, soak_workload
 
 
 def invoke(*args: str):

@@ -9,15 +9,9 @@ import pytest
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
-from kvcanary.engine.workload import (
-    CHUNK_SIZE,
-    WorkloadConfig,
-    builtin_workload,
-    engine_config_for,
-    load_prompts,
-    run_workload,
-)
+from kvcanary.engine.workload import CHUNK_SIZE, WorkloadConfig, builtin_workload, engine_config_for, load_prompts
 from kvcanary.errors import ConfigError
+from kvcanary.runs.driver import run_workload
 
 
 def test_builtin_workload_is_seeded():
@@ -47,12 +41,12 @@ def test_driver_exercises_cache_offload_load_back_chunks_and_aborts():
     s = engine.stats
     assert s.num_prefix_hit_tokens > 0 and s.num_evicted_slots > 0 and s.num_offloaded_slots > 0
     assert s.num_loaded_slots > 0, "a system prompt must come back from the host tier"
-    assert s.num_aborts == counts["aborted"] == sum(1 for r in w.requests if r.abort_after) > 0
-    assert counts["requests"] == 40 and counts["finished"] + counts["aborted"] == 40
-    assert counts["steps"] == s.num_steps and counts["step_seconds"] > 0
-    assert counts["generated_tokens"] == sum(r.abort_after or r.max_new_tokens for r in w.requests)
+    assert s.num_aborts == counts.aborted == sum(1 for r in w.requests if r.abort_after) > 0
+    assert counts.requests == 40 and counts.finished + counts.aborted == 40
+    assert counts.steps == s.num_steps and counts.step_seconds > 0
+    assert counts.generated_tokens == sum(r.abort_after or r.max_new_tokens for r in w.requests)
     assert seen[-1] == (40, 40) and [d for d, _ in seen] == sorted(d for d, _ in seen)
-    for rid, req in zip(counts["request_ids"], w.requests, strict=True):
+    for rid, req in zip(counts.request_ids, w.requests, strict=True):
         status = engine.requests[rid].status
         assert status is (RequestStatus.ABORTED if req.abort_after else RequestStatus.FINISHED)
 
@@ -61,7 +55,7 @@ def test_aborts_happen_mid_generation():
     w = builtin_workload(WorkloadConfig(num_requests=10, abort_every=2))
     engine = Engine(ModelConfig(), engine_config_for(w))
     counts = run_workload(engine, w)
-    for rid, req in zip(counts["request_ids"], w.requests, strict=True):
+    for rid, req in zip(counts.request_ids, w.requests, strict=True):
         if req.abort_after:
             assert len(engine.output_ids(rid)) == req.abort_after < req.max_new_tokens
 
@@ -73,7 +67,7 @@ def test_load_prompts_round_trip(tmp_path):
     assert [(r.prompt_ids, r.max_new_tokens, r.arrival_step) for r in w.requests] == [((1, 2, 3), 4, 0),
                                                                                        ((5,), 2, 0)]
     engine = Engine(ModelConfig(), engine_config_for(w))
-    assert run_workload(engine, w)["generated_tokens"] == 6
+    assert run_workload(engine, w).generated_tokens == 6
 
 
 @pytest.mark.parametrize("line, message", [

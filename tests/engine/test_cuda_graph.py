@@ -13,7 +13,9 @@ from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.errors import ConfigError
-from kvcanary.faults.campaign import RunSetup, default_faults, judge, run_once
+from kvcanary.faults.judge import judge, select_faults
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import run_once
 
 from ._helpers import RecordingHooks, make_engine, random_prompts
 
@@ -79,7 +81,7 @@ def test_graph_replay_matches_eager_and_stays_clean(jitter_ns):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["page_table_repoint", "used_slot_flip", "written_slot_flip"])
 def test_faults_are_caught_inside_replayed_graphs(name):
-    (fault,) = default_faults([name], seed=0, warmup_steps=30)
+    (fault,) = select_faults([name], seed=0, warmup_steps=30)
     out = run_once(_setup(cuda_graph=True), [fault])
     verdict = judge(fault, out.injections, out.violations)
     assert out.engine.graphs.replays > 0

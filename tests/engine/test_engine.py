@@ -96,7 +96,7 @@ def test_prefix_cache_slots_describe_idle_cached_runs():
     read = reader.slots[: reader.num_prefix_cached].tolist()  # locked: not an idle run
     assert reader.num_prefix_cached >= 8
     position_of = {slot: pos for pos, slot in enumerate(read)}
-    for slots, tokens, start, _ in runs:
+    for slots, tokens, start in ((r.slots, r.token_ids, r.start_position) for r in runs):
         assert slots.dtype == torch.int64 and slots.numel() == len(tokens) > 0 and start % 2 == 0
         assert any(h[start : start + len(tokens)] == tokens for h in histories)
         for i, slot in enumerate(slots.tolist()):

@@ -11,9 +11,10 @@ from kvcanary.config import CanaryConfig
 from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.engine import Engine
-from kvcanary.engine.pd import KVTransfer, run_pd_workload
+from kvcanary.engine.pd import KVTransfer
 from kvcanary.engine.request import RequestStatus
-from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for, run_workload
+from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
+from kvcanary.runs.driver import run_workload
 
 MODEL = ModelConfig(seed=4)
 CONFIG = EngineConfig(num_slots=256, max_rows=9, max_ctx=96, chunk_size=16, max_running=4, host_tier_slots=64)
@@ -80,13 +81,13 @@ def test_split_run_is_clean_and_generates_what_one_engine_does():
     prefill, p_hooks = attach_canary(lambda h: Engine(MODEL, config, h), CanaryConfig(sweep_interval=2))
     decode, d_hooks = attach_canary(lambda h: Engine(MODEL, config, h), CanaryConfig(sweep_interval=2))
     transfer = KVTransfer(prefill, decode, p_hooks.canary, d_hooks.canary)
-    counts = run_pd_workload(transfer, workload)
+    counts = run_workload(transfer, workload)
     assert p_hooks.reports == [] and d_hooks.reports == []
     assert transfer.stats.requests + transfer.stats.dropped == 16 and transfer.stats.requests > 0
     assert decode.stats.num_prefix_hit_tokens >= transfer.stats.slots - transfer.stats.duplicate_slots
     assert d_hooks.canary.counters()["SWEEP"]["checked"] >= transfer.stats.slots
     single = Engine(MODEL, config)
-    ids = run_workload(single, workload)["request_ids"]
+    ids = run_workload(single, workload).request_ids
     compared = 0
     for i, (one, two) in enumerate(zip(ids, counts.request_ids, strict=True)):
         a, b = single.requests[one], decode.requests[two]

@@ -13,8 +13,9 @@ from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.engine.zoo import CATALOGUE, Bug
 from kvcanary.errors import ConfigError
-from kvcanary.faults.zoo_campaign import run_setup, run_zoo_case, twin, zoo_cases
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.campaign import ZOO_STOPPING, run_zoo_case, twin, zoo_cases
+from kvcanary.runs.single import run_once
 
 from ._helpers import engine_config, random_prompts
 
@@ -56,9 +57,9 @@ def test_bug_is_detected_at_its_launch_point(bug):
 
 @pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
 def test_twin_without_the_switch_is_clean(bug):
-    out = run_setup(twin(CASES[bug]))
+    out = run_once(twin(CASES[bug]), stopping=ZOO_STOPPING)
     assert out.error is None and out.violations == [] and not out.alarms
-    assert out.engine.zoo.events == [] and out.counts["finished"] + out.counts["aborted"] == 32
+    assert out.engine.zoo.events == [] and out.counts.finished + out.counts.aborted == 32
     out.engine.check_integrity()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
-from kvcanary.faults.campaign import RunSetup
+from kvcanary.runs.setup import RunSetup
 
 
 def small_setup(num_requests: int = 32, seed: int = 0, engine: dict | None = None, **canary) -> RunSetup:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvcanary.faults import FAULTS, PENDING_FAULTS
-from kvcanary.faults.campaign import run_campaign
+from kvcanary.runs.campaign import run_campaign
 
 from ._helpers import small_setup
 

@@ -9,7 +9,6 @@ import pytest
 from kvcanary.core.record import LaunchPoint, LaunchTag, Reason
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.hooks import EngineHooks
-from kvcanary.engine.workload import run_workload
 from kvcanary.errors import ConfigError
 from kvcanary.faults import (
     FAULTS,
@@ -21,8 +20,10 @@ from kvcanary.faults import (
     StaleSlotReuse,
     UsedSlotFlip,
 )
-from kvcanary.faults.campaign import judge, run_once
+from kvcanary.faults.judge import judge
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.driver import run_workload
+from kvcanary.runs.single import run_once
 from kvcanary.runtime.reporting import Violation
 
 from ._helpers import small_setup
@@ -80,7 +81,7 @@ def test_fault_is_detected_exactly(name, seed, clean, caplog):
     assert verdict.first_detection == f"{'+'.join(Reason.names(reasons))} @ {point.name}"
     assert verdict.steps_to_detection == steps
     # the same workload without the fault reports nothing: every violation here is the fault's
-    assert len(clean.violations) == 0 and out.counts["requests"] == clean.counts["requests"]
+    assert len(clean.violations) == 0 and out.counts.requests == clean.counts.requests
 
 
 @pytest.mark.parametrize("name", ["used_slot_flip", "cached_slot_flip", "written_slot_flip"])
@@ -198,4 +199,4 @@ def test_run_workload_is_unchanged_by_a_fault_that_never_acts():
     engine = Engine(setup.model, setup.engine, FaultHooks(EngineHooks(), [PageTableRepoint(probability=0.0)]))
     engine.hooks.attach(engine)
     counts = run_workload(engine, setup.workload)
-    assert counts["requests"] == 8 and counts["finished"] + counts["aborted"] == 8
+    assert counts.requests == 8 and counts.finished + counts.aborted == 8

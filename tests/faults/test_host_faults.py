@@ -8,8 +8,9 @@ import pytest
 
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.faults import Expectation, Fault, HostRowFlip, HostRowMismatch
-from kvcanary.faults.campaign import judge, run_once
+from kvcanary.faults.judge import judge
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

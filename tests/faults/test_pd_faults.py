@@ -7,8 +7,10 @@ import pytest
 
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.faults import FAULTS, PD_FAULTS
-from kvcanary.faults.pd_campaign import judge_pd, pd_faults, run_pd_campaign, run_pd_once
+from kvcanary.faults.judge import select_faults
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.campaign import judge_pd, run_pd_campaign
+from kvcanary.runs.pd import run_pd_once
 
 from ._helpers import small_setup
 
@@ -24,7 +26,7 @@ EXACT = {
 def test_registry():
     assert set(EXACT) == set(PD_FAULTS) and set(PD_FAULTS).isdisjoint(FAULTS)
     with pytest.raises(ValueError, match=r"unknown fault\(s\) \['nope'\]"):
-        pd_faults(["nope"], 0, 0)
+        select_faults(["nope"], 0, 0, pd=True)
 
 
 def test_clean_twin_reports_nothing_on_either_side():
@@ -35,7 +37,7 @@ def test_clean_twin_reports_nothing_on_either_side():
 
 @pytest.mark.parametrize("name", list(PD_FAULTS))
 def test_fault_is_caught_on_the_decode_side(name):
-    (fault,) = pd_faults([name], seed=1, warmup_steps=6)
+    (fault,) = select_faults([name], seed=1, warmup_steps=6, pd=True)
     out = run_pd_once(small_setup(num_requests=24), [fault])
     verdict = judge_pd(fault, out)
     assert verdict.injected and verdict.detected and verdict.false_positives == 0, verdict
@@ -48,7 +50,7 @@ def test_fault_is_caught_on_the_decode_side(name):
 
 
 def test_fingerprint_faults_need_the_real_kv_check():
-    (fault,) = pd_faults(["transfer_byte_flip"], seed=1, warmup_steps=6)
+    (fault,) = select_faults(["transfer_byte_flip"], seed=1, warmup_steps=6, pd=True)
     out = run_pd_once(small_setup(num_requests=24, real_kv=FingerprintMode.NONE), [fault])
     assert not judge_pd(fault, out).detected
 

@@ -9,7 +9,7 @@ from kvcanary.config import Policy
 from kvcanary.engine.config import SamplerKind
 from kvcanary.engine.request import RequestStatus
 from kvcanary.faults import FAULTS, ChunkBoundaryToken, SampledTokenSwap
-from kvcanary.faults.campaign import run_once
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 
@@ -20,7 +20,7 @@ GREEDY = {"sampler": SamplerKind.GREEDY}  # outputs depend on every K/V the mode
 def fault_free():
     out = run_once(small_setup(engine=GREEDY))
     assert out.violations == [] and out.error is None
-    return [out.engine.output_ids(i) for i in out.counts["request_ids"]]
+    return [out.engine.output_ids(i) for i in out.counts.request_ids]
 
 
 def test_recompute_recovers_from_every_fault_kind_at_once(fault_free):
@@ -47,8 +47,8 @@ def test_recompute_recovers_from_every_fault_kind_at_once(fault_free):
     assert all(any(i.explains(v) for f in faults for i in f.injections) for v in out.violations)
     assert engine.stats.num_recomputes > 0 and engine.stats.num_quarantined_slots > 0
     # ...and yet every request completes with exactly the fault-free tokens
-    assert [engine.output_ids(i) for i in out.counts["request_ids"]] == fault_free
-    for rid, want in zip(out.counts["request_ids"], setup.workload.requests, strict=True):
+    assert [engine.output_ids(i) for i in out.counts.request_ids] == fault_free
+    for rid, want in zip(out.counts.request_ids, setup.workload.requests, strict=True):
         req = engine.requests[rid]
         assert req.status is (RequestStatus.ABORTED if want.abort_after else RequestStatus.FINISHED)
         assert len(req.output_ids) == (want.abort_after or want.max_new_tokens)
@@ -63,5 +63,5 @@ def test_without_token_truth_token_faults_reach_the_client(fault_type, fault_fre
     fault = fault_type(seed=0, warmup_steps=24)
     out = run_once(small_setup(policy=Policy.RECOMPUTE, truth=False, engine=GREEDY), [fault])
     assert fault.injections and out.engine.stats.num_recomputes == 0
-    got = [out.engine.output_ids(i) for i in out.counts["request_ids"]]
+    got = [out.engine.output_ids(i) for i in out.counts.request_ids]
     assert got != fault_free

@@ -12,7 +12,8 @@ from kvcanary.engine.engine import Engine
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.errors import ConfigError
 from kvcanary.faults import FaultHooks, StampCorruption, StampField
-from kvcanary.faults.campaign import judge, run_once
+from kvcanary.faults.judge import judge
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

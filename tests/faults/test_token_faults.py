@@ -14,7 +14,8 @@ import pytest
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.errors import ConfigError
 from kvcanary.faults import ChunkBoundaryToken, Expectation, Fault, PositionSkew, SampledTokenSwap
-from kvcanary.faults.campaign import judge, run_once
+from kvcanary.faults.judge import judge
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

@@ -11,7 +11,9 @@ from kvcanary.core.record import LaunchPoint, PoolKind, Reason
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.faults import FAULTS, WINDOW_FAULTS, SlidingWindowLut
-from kvcanary.faults.campaign import RunSetup, judge, run_once
+from kvcanary.faults.judge import judge
+from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.faults import Expectation, Fault, WrittenSlotFlip
-from kvcanary.faults.campaign import judge, run_once
+from kvcanary.faults.judge import judge
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload
-from kvcanary.faults.campaign import default_faults, judge, run_once
+from kvcanary.faults.judge import judge, select_faults
 from kvcanary.ops._common import HAS_TRITON
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 
@@ -42,7 +43,7 @@ def test_clean_run_leaves_the_same_records_as_the_op_by_op_path():
 
 @pytest.mark.parametrize("name", PER_FORWARD)
 def test_each_fault_is_detected_as_expected(name):
-    (fault,) = default_faults([name], seed=0, warmup_steps=4)
+    (fault,) = select_faults([name], seed=0, warmup_steps=4)
     out = run_once(fused_setup(True), [fault])
     verdict = judge(fault, out.injections, out.violations)
     assert verdict.injected, f"{name} never acted"

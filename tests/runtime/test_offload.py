@@ -6,7 +6,7 @@ import torch
 
 from kvcanary.engine.canary_hooks import CanaryHooks
 from kvcanary.engine.engine import Engine
-from kvcanary.engine.workload import run_workload
+from kvcanary.runs.driver import run_workload
 
 from ._helpers import small_setup
 

@@ -9,11 +9,11 @@ from kvcanary.config import Policy
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
-from kvcanary.engine.workload import run_workload
 from kvcanary.errors import CanaryViolation
 from kvcanary.faults import FAULTS, PageTableRepoint, attach_faults
-from kvcanary.faults.campaign import run_once
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.driver import run_workload
+from kvcanary.runs.single import run_once
 from kvcanary.runtime.reporting import Violation
 
 from ._helpers import small_setup
@@ -56,7 +56,7 @@ def test_raise_policy_exception_carries_the_violations():
 def fault_free_outputs():
     out = run_once(small_setup(policy=Policy.LOG))
     assert out.violations == []
-    return [out.engine.output_ids(i) for i in out.counts["request_ids"]]
+    return [out.engine.output_ids(i) for i in out.counts.request_ids]
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
@@ -67,8 +67,8 @@ def test_recompute_delivers_the_fault_free_tokens(name, fault_free_outputs):
     assert fault.injections and out.violations and out.error is None
     engine = out.engine
     assert engine.stats.num_quarantined_slots > 0
-    assert [engine.output_ids(i) for i in out.counts["request_ids"]] == fault_free_outputs
-    for rid, want in zip(out.counts["request_ids"], setup.workload.requests, strict=True):
+    assert [engine.output_ids(i) for i in out.counts.request_ids] == fault_free_outputs
+    for rid, want in zip(out.counts.request_ids, setup.workload.requests, strict=True):
         req = engine.requests[rid]
         assert req.status is (RequestStatus.ABORTED if want.abort_after else RequestStatus.FINISHED)
         assert len(req.output_ids) == (want.abort_after or want.max_new_tokens)

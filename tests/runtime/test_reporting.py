@@ -12,7 +12,7 @@ from kvcanary.config import Policy
 from kvcanary.core.hashing import MASK64
 from kvcanary.core.record import Half, LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow
 from kvcanary.faults import PageTableRepoint
-from kvcanary.faults.campaign import run_once
+from kvcanary.runs.single import run_once
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.reporting import VIOLATION_RE, StepMeta, Violation, owners_of
 

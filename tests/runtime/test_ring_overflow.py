@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvcanary.faults import UsedSlotFlip
-from kvcanary.faults.campaign import run_once
+from kvcanary.runs.single import run_once
 
 from ._helpers import small_setup
 

@@ -9,8 +9,8 @@ from kvcanary.config import Policy
 from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint, new_stats
 from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.engine import Engine
-from kvcanary.engine.workload import run_workload
-from kvcanary.faults.campaign import run_once
+from kvcanary.runs.driver import run_workload
+from kvcanary.runs.single import run_once
 from kvcanary.runtime.canary import WatchdogTimeout
 from kvcanary.runtime.watchdog import Watchdog
 

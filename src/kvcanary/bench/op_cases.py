@@ -8,13 +8,14 @@ marks the target met or missed.
 from __future__ import annotations
 
 import collections
-from functools import partial
 
 import torch
 
-from kvcanary.bench.ops import RING_OUTS, OpsBench
+from kvcanary.bench import timing
+from kvcanary.bench.ops import RING_OUTS, OpsBench, triton_runs_on
+from kvcanary.bench.results import RunRecord
 from kvcanary.core import record as rec
-from kvcanary.ops._common import HAS_TRITON, tl, triton
+from kvcanary.ops.backend import HAS_TRITON
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
@@ -23,23 +24,6 @@ from kvcanary.ops.stamp import stamp
 from kvcanary.ops.verify import verify
 
 NONE, PARTIAL, ALL = FingerprintMode.NONE, FingerprintMode.PARTIAL, FingerprintMode.ALL
-
-
-@triton.jit
-def _gather_rows_kernel(buf_ptr, idx_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """Lane i reads the 32-byte row idx[i] of an int64[N, 4] buffer and writes its 8-byte sum."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    row = tl.load(idx_ptr + i, mask=m, other=0).to(tl.int64)
-    x = tl.load(buf_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=m[:, None], other=0)
-    tl.store(out_ptr + i, tl.sum(x, 1), mask=m)
-
-
-def gather_rows_launchers(buf, idx, rows):
-    """One launch of the random-row gather kernel per index set (the gather ceiling on CUDA)."""
-    sums = [torch.empty(rows, dtype=torch.int64, device=buf.device) for _ in idx]
-    grid = (triton.cdiv(rows, 1024),)
-    return [partial(_gather_rows_kernel[grid], buf, ix, o, rows, BLOCK=1024) for ix, o in zip(idx, sums, strict=True)]
 
 
 def run_scatter(b: OpsBench, bs, seg):
@@ -263,3 +247,24 @@ def run_cases(b: OpsBench) -> None:
     for mode in (ALL, PARTIAL):
         with sec(f"fingerprint {mode.name}"):
             run_fingerprint(b, src, canary, b.s["fp_slots"], mode)
+
+
+def run_ops(device: torch.device, *, quick: bool = False, json_path=None, check_only: bool = False, seed: int = 0,
+            budget_s: float = 400.0) -> dict:
+    """Run every op case on ``device`` (shapes: full on CUDA, CPU-sized on the CPU, tiny with
+    ``quick``), print the table last, write JSON to ``json_path`` as it goes; returns the data
+    with ``passed`` set (no section error, every cross-check equal)."""
+    shapes = "quick" if quick else ("full" if device.type == "cuda" else "cpu")
+    meta = timing.environment(device) | {"shapes": shapes, "seed": seed, "check_only": check_only,
+                                         "triton_cross_checks": triton_runs_on(device)}
+    record = RunRecord(json_path, meta, budget_s)
+    bench = OpsBench(device, shapes, record, timing_on=not check_only, seed=seed)
+    record.data["meta"]["shape_set"] = {k: v for k, v in bench.s.items()}
+    print(f"device {meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}; {shapes} shapes; timing "
+          f"{'on' if bench.timing else 'off'}; Triton cross-checks {'on' if bench.triton else 'off'}", flush=True)
+    run_cases(bench)
+    record.data["passed"] = bench.passed
+    record.save()
+    print(f"\nelapsed {record.data['meta']['elapsed_s']} s" + (f"; details in {json_path}" if json_path else ""))
+    bench.print_table()
+    return record.data

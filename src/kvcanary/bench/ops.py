@@ -11,7 +11,7 @@
 3. floor: bytes the op must move / copy bandwidth measured in the same run; verify is also put
    against a random 32-byte gather ceiling, fingerprint ALL against the copy bandwidth.
 
-The op cases live in ``bench/op_cases.py``; this module holds the harness and the table.
+The op cases and ``run_ops`` live in ``bench/op_cases.py``; this module holds the harness and the table.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from kvcanary.bench import timing
 from kvcanary.bench.results import RunRecord, fmt
 from kvcanary.core import record as rec
-from kvcanary.ops._common import HAS_TRITON, Backend
+from kvcanary.ops.backend import HAS_TRITON, Backend, tl, triton
 from kvcanary.ops.plan import Plan
 
 TRI, TORCH = Backend.TRITON, Backend.TORCH
@@ -49,6 +49,23 @@ SHAPES = {
 def triton_runs_on(device: torch.device) -> bool:
     """Triton kernels run on CUDA, and on CPU tensors only under the interpreter (set before import)."""
     return HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def _gather_rows_kernel(buf_ptr, idx_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Lane i reads the 32-byte row idx[i] of an int64[N, 4] buffer and writes its 8-byte sum."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    row = tl.load(idx_ptr + i, mask=m, other=0).to(tl.int64)
+    x = tl.load(buf_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=m[:, None], other=0)
+    tl.store(out_ptr + i, tl.sum(x, 1), mask=m)
+
+
+def gather_rows_launchers(buf, idx, rows):
+    """One launch of the random-row gather kernel per index set (the gather ceiling on CUDA)."""
+    sums = [torch.empty(rows, dtype=torch.int64, device=buf.device) for _ in idx]
+    grid = (triton.cdiv(rows, 1024),)
+    return [partial(_gather_rows_kernel[grid], buf, ix, o, rows, BLOCK=1024) for ix, o in zip(idx, sums, strict=True)]
 
 
 class OpsBench:
@@ -189,8 +206,6 @@ class OpsBench:
         self.bw["gather_index_select"] = 32 * rows / t_sel / 1e3
         self.bw["gather"] = self.bw["gather_index_select"]
         if self.cuda:
-            from kvcanary.bench.op_cases import gather_rows_launchers
-
             t_tri = timing.graph_us(gather_rows_launchers(buf, idx, rows))
             self.bw["gather_triton"] = 32 * rows / t_tri / 1e3
             self.bw["gather"] = max(self.bw["gather"], self.bw["gather_triton"])
@@ -236,26 +251,3 @@ def _tensors(name, v):
 
 def _clone(v):
     return Plan(*[t.clone() for _, t in _tensors("", v)]) if isinstance(v, Plan) else v.clone()
-
-
-def run_ops(device: torch.device, *, quick: bool = False, json_path=None, check_only: bool = False, seed: int = 0,
-            budget_s: float = 400.0) -> dict:
-    """Run every op case on ``device`` (shapes: full on CUDA, CPU-sized on the CPU, tiny with
-    ``quick``), print the table last, write JSON to ``json_path`` as it goes; returns the data
-    with ``passed`` set (no section error, every cross-check equal)."""
-    from kvcanary.bench.op_cases import run_cases
-
-    shapes = "quick" if quick else ("full" if device.type == "cuda" else "cpu")
-    meta = timing.environment(device) | {"shapes": shapes, "seed": seed, "check_only": check_only,
-                                         "triton_cross_checks": triton_runs_on(device)}
-    record = RunRecord(json_path, meta, budget_s)
-    bench = OpsBench(device, shapes, record, timing_on=not check_only, seed=seed)
-    record.data["meta"]["shape_set"] = {k: v for k, v in bench.s.items()}
-    print(f"device {meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}; {shapes} shapes; timing "
-          f"{'on' if bench.timing else 'off'}; Triton cross-checks {'on' if bench.triton else 'off'}", flush=True)
-    run_cases(bench)
-    record.data["passed"] = bench.passed
-    record.save()
-    print(f"\nelapsed {record.data['meta']['elapsed_s']} s" + (f"; details in {json_path}" if json_path else ""))
-    bench.print_table()
-    return record.data

@@ -10,10 +10,11 @@ from typing import Annotated
 import torch
 import typer
 
-from kvcanary.bench.ops import run_ops
+from kvcanary.bench.op_cases import run_ops
 from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
 from kvcanary.bench.step import run_step_command
-from kvcanary.cli._app import DeviceName, app
+from kvcanary.cli._app import app
+from kvcanary.runs.setup import DeviceName
 
 
 class BenchWhat(str, enum.Enum):
@@ -47,8 +48,8 @@ def bench(
 ) -> None:
     """Run the chosen benchmarks; JSON with ``--json``."""
     if device is None:
-        device = DeviceName.cuda if torch.cuda.is_available() else DeviceName.cpu
-    if device is DeviceName.cuda and not torch.cuda.is_available():
+        device = DeviceName.CUDA if torch.cuda.is_available() else DeviceName.CPU
+    if device is DeviceName.CUDA and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
     chosen = None
     if modes is not None:

@@ -10,39 +10,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcanary.cli._app import (
-    Device,
-    DeviceName,
-    MaxNewTokens,
-    Model,
-    ModelSize,
-    RealKV,
-    RealKv,
-    Requests,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    console,
-    make_setup,
-    progress_bar,
-    set_threads,
-    setup_logging,
-    tracker,
-)
-from kvcanary.config import CanaryConfig, Policy
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, console, options_checked, progress_bar, setup_logging, tracker
+from kvcanary.engine.config import Bug
 from kvcanary.engine.workload import WorkloadConfig
-from kvcanary.engine.zoo import CATALOGUE, Bug
-from kvcanary.faults import FAULTS, PD_FAULTS, WINDOW_FAULTS
-from kvcanary.faults.campaign import Verdict, run_campaign
-from kvcanary.faults.pd_campaign import run_pd_campaign
-from kvcanary.faults.zoo_campaign import run_zoo, zoo_cases
-from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.engine.zoo import CATALOGUE
+from kvcanary.runs.setup import DemoOptions, ModelPreset, RunOptions, run_setup
 
+DEMO = DemoOptions()  # the defaults of every option below
 # the window and transfer runs need this much traffic: a stale transfer lands only on a slot freed and reused
 SPLIT_MIN_REQUESTS = 16
+ALL = "all"  # every kind
 
 
 @app.command(help="Self-test: a clean run, then one run per fault kind, then one run per real-bug zoo switch "
@@ -52,38 +30,39 @@ SPLIT_MIN_REQUESTS = 16
                   "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
                   "run reported anything.")
 def demo(
-    requests: Requests = 96,
-    max_new_tokens: MaxNewTokens = 16,
-    seed: Seed = 0,
-    model: Model = ModelSize.tiny,
-    device: Device = DeviceName.cpu,
-    real_kv: RealKv = RealKV.partial,
-    sweep_interval: SweepInterval = 4,
-    sweep_budget: SweepBudget = 1 << 20,
-    faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject.")] = ",".join(FAULTS),
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = 24,
+    requests: opt.Requests = DEMO.run.requests,
+    max_new_tokens: opt.MaxNewTokens = DEMO.run.max_new_tokens,
+    seed: opt.Seed = DEMO.run.seed,
+    model: opt.Model = DEMO.run.model,
+    device: opt.Device = DEMO.run.device,
+    real_kv: opt.RealKv = opt.MODE_NAMES[DEMO.run.canary.real_kv],
+    sweep_interval: opt.SweepInterval = DEMO.run.canary.sweep_interval,
+    sweep_budget: opt.SweepBudget = DEMO.run.canary.sweep_budget,
+    faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject (all: every kind "
+                                        "of kvcanary.faults.FAULTS).")] = ALL,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = (
+        DEMO.run.fault_warmup),
     bugs: Annotated[str, typer.Option("--bugs", help="Comma-separated zoo bugs to switch on, one run each "
                                       "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
-    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
-                                              "workload.")] = 32,
+    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="opt.Requests of each zoo run's built-in "
+                                              "workload.")] = DEMO.zoo_requests,
     window_faults: Annotated[str, typer.Option("--window-faults", help="Comma-separated sliding-window fault kinds, "
-                                               "run on --model hybrid-swa (empty: none).")] = ",".join(WINDOW_FAULTS),
+                                               "run on --model hybrid-swa (all: every kind; empty: none).")] = ALL,
     pd_faults: Annotated[str, typer.Option("--pd-faults", help="Comma-separated transfer fault kinds, run on a "
-                                           "prefill/decode split (empty: none).")] = ",".join(PD_FAULTS),
+                                           "prefill/decode split (all: every kind; empty: none).")] = ALL,
     pd_warmup: Annotated[int, typer.Option("--pd-warmup", min=0, help="Decode-engine steps before each transfer "
-                                           "fault may act.")] = 8,
+                                           "fault may act.")] = DEMO.pd_warmup,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """The fault matrix and the zoo on the built-in workload: tables on stdout, JSON with ``--json``."""
-    set_threads(threads, model)
+    from kvcanary.faults import FAULTS, PD_FAULTS, WINDOW_FAULTS  # the demo is the fault code's user
+    from kvcanary.runs.campaign import run_campaign, run_pd_campaign, run_zoo, zoo_cases
+
+    opt.set_threads(threads, model)
     setup_logging(logging.WARNING if verbose else logging.CRITICAL)
-    names = [n.strip() for n in faults.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FAULTS]
-    if unknown:
-        raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}",
-                                 param_hint="--faults")
+    names = _names(faults, FAULTS, "--faults")
     window_names = _names(window_faults, WINDOW_FAULTS, "--window-faults")
     pd_names = _names(pd_faults, PD_FAULTS, "--pd-faults")
     bug_names = [b.strip() for b in bugs.split(",") if b.strip()]
@@ -91,17 +70,19 @@ def demo(
     if unknown:
         raise typer.BadParameter(f"unknown bug(s) {unknown}; choose from {', '.join(b.value for b in Bug)}",
                                  param_hint="--bugs")
-    canary = CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode[real_kv.name.upper()],
-                          sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget)
-    setup = make_setup(requests, max_new_tokens, seed, model, device, canary)
+    with options_checked():
+        base = RunOptions(requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
+                          canary=opt.canary_options(DEMO.run.canary.policy, real_kv, sweep_interval, sweep_budget))
+        setup = run_setup(base)
+        split = RunOptions(**{**base.__dict__, "requests": max(requests, SPLIT_MIN_REQUESTS)})
+        window_setup = run_setup(RunOptions(**{**split.__dict__, "model": ModelPreset.HYBRID_SWA}))
+        pd_model = ModelPreset.TINY if model is ModelPreset.HYBRID_SWA else model
+        pd_setup = run_setup(RunOptions(**{**split.__dict__, "model": pd_model}))
     zoo_workload = WorkloadConfig(num_requests=zoo_requests, max_new_tokens=max_new_tokens, seed=seed,
                                   vocab_size=setup.model.vocab_size)
-    cases = zoo_cases(setup.model, canary, zoo_workload, device.value, [Bug(b) for b in bug_names])
-    split_model = ModelSize.tiny if model is ModelSize.hybrid_swa else model
-    split_requests = max(requests, SPLIT_MIN_REQUESTS)
-    window_setup = make_setup(split_requests, max_new_tokens, seed, ModelSize.hybrid_swa, device, canary)
-    pd_setup = make_setup(split_requests, max_new_tokens, seed, split_model, device, canary)
+    cases = zoo_cases(setup.model, setup.canary, zoo_workload, device.value, [Bug(b) for b in bug_names])
     num_split = (1 + len(window_names) if window_names else 0) + (1 + len(pd_names) if pd_names else 0)
+    split_requests = split.requests
     with progress_bar() as progress:
         runs = progress.add_task("runs", total=1 + len(names) + len(cases) + num_split)
 
@@ -148,6 +129,9 @@ def demo(
 
 
 def _names(text: str, known: dict, option: str) -> list[str]:
+    """The kinds ``text`` names (``all``: every kind of ``known``, in its order)."""
+    if text.strip() == ALL:
+        return list(known)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -174,7 +158,7 @@ def _print_split_table(window, pd) -> None:
     console.print(table)
 
 
-def _status(v: Verdict, not_acted: str) -> str:
+def _status(v, not_acted: str) -> str:
     return "[green]yes[/]" if v.detected else (f"[red]{not_acted}[/]" if not v.injected else "[red]MISSED[/]")
 
 
@@ -193,7 +177,7 @@ def _print_fault_table(result) -> None:
     console.print(table)
 
 
-def _print_zoo_table(verdicts: list[Verdict]) -> None:
+def _print_zoo_table(verdicts: list) -> None:
     table = Table(title="kv-canary demo: real-bug zoo (kvcanary.engine.zoo)", title_justify="left")
     table.add_column("bug", no_wrap=True)
     table.add_column("re-creates", no_wrap=True)

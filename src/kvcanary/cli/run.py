@@ -1,9 +1,7 @@
-"""``kv-canary run``: the built-in workload with the canary on; summary and JSON report."""
+"""``kv-canary run``: options -> ``RunOptions`` -> ``kvcanary.runs.run`` -> summary, JSON report."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import logging
 from pathlib import Path
@@ -12,76 +10,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcanary.cli._app import (
-    Device,
-    DeviceName,
-    MaxNewTokens,
-    Model,
-    ModelSize,
-    PolicyName,
-    RealKV,
-    RealKv,
-    Requests,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    console,
-    make_setup,
-    progress_bar,
-    set_threads,
-    setup_logging,
-    tracker,
-)
-from kvcanary.config import CanaryConfig, Policy
-from kvcanary.core.record import LaunchPoint
-from kvcanary.errors import ConfigError
-from kvcanary.faults import FAULTS
-from kvcanary.faults.campaign import RunOutcome, RunSetup, default_faults, run_once
-from kvcanary.ops.fingerprint import FingerprintMode
-from kvcanary.runtime.incidents import incidents_report
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, console, options_checked, progress_bar, require_extra, setup_logging, tracker
+from kvcanary.runs.report import RunReport
+from kvcanary.runs.run import run as run_options
+from kvcanary.runs.setup import EngineKind, RunOptions
 
-
-def build_report(setup: RunSetup, out: RunOutcome) -> dict:
-    """The JSON report of a run: workload counts, violations, canary and engine counters."""
-    canary = out.hooks.canary
-    totals, counters = canary.totals, canary.counters()
-    step_seconds = out.counts["step_seconds"]
-    counts = {k: v for k, v in out.counts.items() if k != "request_ids"}
-    return {
-        **counts,
-        "violations": max(counters["ring_total"], len(out.violations)),  # rows dropped by a full ring included
-        "violations_decoded": len(out.violations),
-        "by_reason": dict(sorted(totals.by_reason.items())),
-        "by_launch_point": {p.name: totals.by_launch_point.get(p.name, 0) for p in LaunchPoint},
-        "canary_time_share": totals.seconds / step_seconds if step_seconds > 0 else 0.0,
-        "canary_seconds": totals.seconds,
-        "wall_seconds": out.wall_seconds,
-        "protected_slots": counters["HEAD"]["stamped"],
-        "verified_slots": sum(counters[p.name]["checked"] for p in LaunchPoint),
-        "sweeps": totals.sweeps,
-        "watchdog_alarms": len(out.alarms),
-        "stopped": out.error,
-        "engine": out.engine.stats.as_dict(),
-        "canary": {"forwards": totals.forwards, "steps": totals.steps, "sweeps": totals.sweeps,
-                   "violations": totals.violations, "recomputed_requests": totals.recomputed_requests,
-                   "watchdog_alarms": totals.watchdog_alarms, "seconds": totals.seconds, "counters": counters},
-        "injections": [{"fault": i.fault, "step": i.step, "slot": i.slot, "detail": i.detail}
-                       for i in out.injections],
-        "config": {"policy": setup.canary.policy.value, "real_kv": setup.canary.real_kv.name.lower(),
-                   "sweep_interval": setup.canary.sweep_interval, "sweep_budget": setup.canary.sweep_budget_bytes,
-                   "truth": setup.canary.truth, "device": setup.engine.device,
-                   "model": {f.name: getattr(setup.model, f.name) for f in dataclasses.fields(setup.model)
-                             if f.name != "dtype"},
-                   "engine": {k: getattr(setup.engine, k) for k in ("num_slots", "max_ctx", "chunk_size",
-                                                                    "max_running", "host_tier_slots")}},
-        "first_violations": [v.to_json() for v in out.violations[:20]],
-        **incidents_report([c for c in (canary, out.hooks.window_canary) if c is not None]),
-        "timeline": out.timeline,
-        "window_pool": out.hooks.window_report(),  # None without sliding-window layers
-    }
+RUN = RunOptions()  # the defaults of every option below
 
 
 def _print_summary(report: dict) -> None:
@@ -137,94 +72,89 @@ def _split_rows(report: dict) -> list[tuple[str, object]]:
     return rows
 
 
-class EngineName(str, enum.Enum):
-    reference = "reference"
-    transformers = "transformers"
-
-
 @app.command(help="Run the built-in workload through the reference engine with the canary on. Exit status 0 "
                   "when the canary reported nothing, 1 when it reported a violation (or its watchdog fired, or the "
                   "raise policy stopped the run).")
 def run(
-    requests: Requests = 128,
-    max_new_tokens: MaxNewTokens = 16,
-    seed: Seed = 0,
-    model: Model = ModelSize.tiny,
-    device: Device = DeviceName.cpu,
-    policy: Annotated[PolicyName, typer.Option("--policy", help="off: no checks; log: report and keep "
-                                               "serving; raise: stop at the first violation; recompute: "
-                                               "quarantine the slots and re-prefill the requests.")] = PolicyName.log,
-    real_kv: RealKv = RealKV.partial,
-    sweep_interval: SweepInterval = 8,
-    sweep_budget: SweepBudget = 1 << 20,
+    requests: opt.Requests = RUN.requests,
+    max_new_tokens: opt.MaxNewTokens = RUN.max_new_tokens,
+    seed: opt.Seed = RUN.seed,
+    model: opt.Model = RUN.model,
+    device: opt.Device = RUN.device,
+    policy: opt.PolicyOption = RUN.canary.policy,
+    real_kv: opt.RealKv = opt.MODE_NAMES[RUN.canary.real_kv],
+    sweep_interval: opt.SweepInterval = RUN.canary.sweep_interval,
+    sweep_budget: opt.SweepBudget = RUN.canary.sweep_budget,
     no_truth: Annotated[bool, typer.Option("--no-truth", help="Do not check tokens against the requests' "
-                                           "token history.")] = False,
+                                           "token history.")] = not RUN.canary.truth,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats "
-                                              "lines (0 = never).")] = 0,
+                                              "lines (0 = never).")] = RUN.canary.stats_period,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL file of {\"prompt_ids\": [...], "
                                                  "\"max_new_tokens\": N} lines instead of the built-in "
                                                  "workload (--requests and --max-new-tokens are then "
-                                                 "ignored).")] = None,
-    fault: Annotated[list[str] | None, typer.Option("--fault", help=f"Inject a fault (repeatable): "
-                                                    f"{', '.join(FAULTS)}.")] = None,
+                                                 "ignored).")] = RUN.prompts,
+    fault: Annotated[list[str] | None, typer.Option("--fault", help="Inject a fault (repeatable); `kv-canary demo "
+                                                    "--help` names the kinds, an unknown one lists them.")] = None,
     fault_warmup: Annotated[int, typer.Option("--fault-warmup", min=0, help="Steps before a fault may "
-                                              "act.")] = 24,
+                                              "act.")] = RUN.fault_warmup,
     report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here, and an HTML "
                                                  "incident report with a PNG timeline next to it.")] = None,
-    engine: Annotated[EngineName, typer.Option("--engine", help="reference: the embedded engine; transformers: "
+    engine: Annotated[EngineKind, typer.Option("--engine", help="reference: the embedded engine; transformers: "
                                                "Hugging Face transformers continuous batching with a tiny "
-                                               "random Llama (kvcanary.adapters.transformers).")] = (
-        EngineName.reference),
+                                               "random Llama (kvcanary.adapters.transformers).")] = RUN.engine,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks of the reference engine, one "
-                                    "process each (gloo on CPU, NCCL on CUDA); reports per rank.")] = 1,
+                                    "process each (gloo on CPU, NCCL on CUDA); reports per rank.")] = RUN.tp,
     pd: Annotated[bool, typer.Option("--pd", help="Prefill/decode split: one reference engine prefills, a second "
-                                     "receives the K/V and canary rows and decodes.")] = False,
-    threads: Threads = None,
-    verbose: Verbose = False,
+                                     "receives the K/V and canary rows and decodes.")] = RUN.pd,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """The main job: summary on stdout, JSON report with ``--report``."""
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
-    try:
-        canary = CanaryConfig(policy=Policy(policy.value), real_kv=FingerprintMode[real_kv.name.upper()],
-                              sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget, truth=not no_truth,
-                              stats_period=stats_period)
-        faults = default_faults(fault or [], seed, fault_warmup)
-    except (ConfigError, ValueError) as e:
-        raise typer.BadParameter(str(e)) from None
-    modes = [name for name, on in (("--engine transformers", engine is EngineName.transformers),
-                                   ("--tp", tp > 1), ("--pd", pd)) if on]
-    if len(modes) > 1:
-        raise typer.BadParameter(f"{' and '.join(modes)} cannot be combined; choose one")
-    setup = make_setup(requests, max_new_tokens, seed, model, device, canary, prompts)
-    with progress_bar() as progress:
-        track = tracker(progress, "requests", setup.workload.num_requests)
-        if engine is EngineName.transformers:
-            from kvcanary.cli.transformers_run import run_transformers
-
-            result = run_transformers(setup, faults, track)
-        elif tp > 1:
-            from kvcanary.cli.tp_run import run_tp
-
-            result = run_tp(setup, tp, faults, track)
-        elif pd:
-            from kvcanary.cli.pd_run import run_pd
-
-            result = run_pd(setup, faults, track)
-        else:
-            result = build_report(setup, run_once(setup, faults, track))
-    _print_summary(result)
+    if engine is EngineKind.TRANSFORMERS:
+        require_extra("transformers", "transformers", "--engine transformers")
+    with options_checked():
+        options = RunOptions(
+            requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
+            canary=opt.canary_options(policy, real_kv, sweep_interval, sweep_budget, not no_truth, stats_period),
+            prompts=prompts, faults=tuple(fault or ()), fault_warmup=fault_warmup, engine=engine, tp=tp, pd=pd)
+        with progress_bar() as progress:
+            total = options.requests if prompts is None else 0
+            result = run_options(options, tracker(progress, "requests", total))
+    if result.ranks:
+        _print_ranks(result.ranks)
+    data = result.to_json()
+    _print_summary(data)
     if report is not None:
-        report.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"report written to {report}", highlight=False)
+        _write_report(data, report)
+    if not result.is_clean:
+        raise typer.Exit(1)
+
+
+def _write_report(data: dict, report: Path) -> None:
+    report.write_text(json.dumps(data, indent=2) + "\n")
+    console.print(f"report written to {report}", highlight=False)
+    page = report.with_suffix(".html") if report.suffix != ".html" else report.with_name(report.name + ".html")
+    try:
         from kvcanary.incident import write_incident
 
-        page = report.with_suffix(".html") if report.suffix != ".html" else report.with_name(report.name + ".html")
-        try:
-            write_incident(result, page, title=f"kv-canary run: {report.name}")
-            console.print(f"incident report written to {page}", highlight=False)
-        except ImportError:  # matplotlib comes with the server extra
-            console.print("no HTML incident report: install kv-canary[server] for matplotlib", highlight=False,
-                          markup=False)
-    if result["violations"] or result["watchdog_alarms"] or result["stopped"]:
-        raise typer.Exit(1)
+        write_incident(data, page, title=f"kv-canary run: {report.name}")
+        console.print(f"incident report written to {page}", highlight=False)
+    except ImportError:  # matplotlib comes with the server extra
+        console.print("no HTML incident report: install kv-canary[server] for matplotlib", highlight=False,
+                      markup=False)
+
+
+def _print_ranks(ranks: list[RunReport]) -> None:
+    table = Table(title="per rank", title_justify="left")
+    for name in ("rank", "protected", "verified", "violations", "by reason", "rank divergences", "recomputes",
+                 "canary share", "stopped"):
+        table.add_column(name, justify="left" if name in ("by reason", "stopped") else "right")
+    for r in ranks:
+        c = r.canary
+        table.add_row(str(r.rank.rank), str(c.protected_slots), str(c.verified_slots), str(c.violations),
+                      ", ".join(f"{k}={v}" for k, v in sorted(c.by_reason.items())) or "-",
+                      str(len(r.rank.rank_divergences)), str(r.engine["num_recomputes"]),
+                      f"{r.canary_time_share:.1%}", "yes" if r.stopped else "-")
+    console.print(table)

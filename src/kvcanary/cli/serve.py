@@ -3,36 +3,18 @@ admin routes and Prometheus metrics mounted."""
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 from typing import Annotated
 
 import typer
 
-from kvcanary.cli._app import (
-    MODELS,
-    Device,
-    DeviceName,
-    Model,
-    ModelSize,
-    PolicyName,
-    RealKV,
-    RealKv,
-    Seed,
-    SweepBudget,
-    SweepInterval,
-    Threads,
-    Verbose,
-    app,
-    err_console,
-    set_threads,
-    setup_logging,
-)
-from kvcanary.config import CanaryConfig, Policy
+from kvcanary.cli import options as opt
+from kvcanary.cli._app import app, err_console, options_checked, require_extra, setup_logging
+from kvcanary.config import Policy
 from kvcanary.engine.config import EngineConfig
-from kvcanary.errors import ConfigError
 from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runs.setup import DeviceName, ModelPreset, canary_config, check_device, model_config
 
 
 def _is_loopback(host: str) -> bool:
@@ -48,15 +30,13 @@ def _is_loopback(host: str) -> bool:
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
-    model: Model = ModelSize.tiny,
-    device: Device = DeviceName.cpu,
-    seed: Seed = 0,
-    policy: Annotated[PolicyName, typer.Option("--policy", help="off, log, raise (the engine stops at the first "
-                                               "violation; the admin routes keep answering) or recompute.")] = (
-        PolicyName.log),
-    real_kv: RealKv = RealKV.partial,
-    sweep_interval: SweepInterval = 8,
-    sweep_budget: SweepBudget = 1 << 20,
+    model: opt.Model = ModelPreset.TINY,
+    device: opt.Device = DeviceName.CPU,
+    seed: opt.Seed = 0,
+    policy: opt.PolicyOption = Policy.LOG,
+    real_kv: opt.RealKv = opt.MODE_NAMES[FingerprintMode.PARTIAL],
+    sweep_interval: opt.SweepInterval = 8,
+    sweep_budget: opt.SweepBudget = 1 << 20,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats lines "
                                               "(0 = never).")] = 0,
     num_slots: Annotated[int, typer.Option("--num-slots", min=2, help="KV slots of the engine's pool.")] = 4096,
@@ -65,34 +45,28 @@ def serve(
                                                     help="Bearer token the mutating admin routes require.")] = None,
     enable_faults: Annotated[bool, typer.Option("--enable-faults", help="Serve the fault-injection routes "
                                                 "(refused otherwise).")] = False,
-    threads: Threads = None,
-    verbose: Verbose = False,
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
 ) -> None:
     """Run the server until interrupted."""
+    require_extra("fastapi", "server", "kv-canary serve")
+    require_extra("uvicorn", "server", "kv-canary serve")
     import uvicorn
 
     from kvcanary.server.admin import AdminConfig
     from kvcanary.server.app import build_app
     from kvcanary.server.service import ServeConfig
 
-    set_threads(threads, model)
+    opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
-    if device is DeviceName.cuda:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
-    try:
+    with options_checked():
         config = ServeConfig(
-            model=dataclasses.replace(MODELS[model.value], seed=seed),
+            model=model_config(model, seed),
             engine=EngineConfig(num_slots=num_slots, max_ctx=max_ctx, chunk_size=64, host_tier_slots=num_slots // 2,
-                                device=device.value),
-            canary=CanaryConfig(policy=Policy(policy.value), real_kv=FingerprintMode[real_kv.name.upper()],
-                                sweep_interval=sweep_interval, sweep_budget_bytes=sweep_budget,
-                                stats_period=stats_period),
+                                device=check_device(device)),
+            canary=canary_config(opt.canary_options(policy, real_kv, sweep_interval, sweep_budget,
+                                                stats_period=stats_period)),
             admin=AdminConfig(token=admin_token, enable_faults=enable_faults))
-    except (ConfigError, ValueError) as e:
-        raise typer.BadParameter(str(e)) from None
     if not _is_loopback(host) and admin_token is None:
         err_console.print(f"[yellow]warning:[/] binding {host} without --admin-token: anyone who reaches it can "
                           "run sweeps" + (" and inject faults" if enable_faults else ""))

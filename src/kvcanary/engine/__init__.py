@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
-from kvcanary.engine.engine import CachedRun, Engine, StepResult
+from kvcanary.engine.engine import Engine, StepResult
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.stats import EngineStats
 
 __all__ = [
-    "CachedRun",
     "Engine",
     "EngineConfig",
     "EngineHooks",

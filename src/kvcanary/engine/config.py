@@ -7,13 +7,33 @@ actual value, and what to change.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kvcanary.engine.zoo import Bug, parse_bugs
 from kvcanary.errors import ConfigError
+
+
+class Bug(enum.Enum):
+    """Real-bug zoo switches (``kvcanary.engine.zoo`` documents each one); all off by default."""
+
+    ABORT_INFLIGHT_WRITE = "abort_inflight_write"
+    PREFIX_PAGE_OFF_BY_ONE = "prefix_page_off_by_one"
+    PADDING_WRITES_LIVE_SLOT = "padding_writes_live_slot"
+    OFFLOAD_SHARED_HOST_ROW = "offload_shared_host_row"
+    LOAD_BACK_UNORDERED = "load_back_unordered"
+    STALE_RADIX_NODE = "stale_radix_node"
+    FAILED_LOAD_COUNTED = "failed_load_counted"
+    REPREFILL_PROMPT_ONLY = "reprefill_prompt_only"
+    REJECTED_DRAFT_KV_CACHED = "rejected_draft_kv_cached"
+    PARTIAL_PAGE_HIT = "partial_page_hit"
+    CHUNK_POSITIONS_RESTART = "chunk_positions_restart"
+
+
+def parse_bugs(bugs: Iterable[Bug | str]) -> frozenset[Bug]:
+    """``bugs`` as a frozenset of ``Bug`` (members or their string values). Raises ValueError."""
+    return frozenset(Bug(b) for b in bugs)
 
 
 class SamplerKind(enum.Enum):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -28,12 +27,13 @@ from kvcanary.engine.pool import KVPool
 from kvcanary.engine.radix import RadixCache
 from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.sampler import Sampler
-from kvcanary.engine.scheduler import Plan, Scheduler
+from kvcanary.engine.scheduler import Schedule, Scheduler
 from kvcanary.engine.stats import EngineStats
 from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
 from kvcanary.errors import CapacityError, ConfigError
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.jitter import Jitter
+from kvcanary.runtime.sweep import SweepRun
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,6 @@ class StepResult:
     finished_ids: tuple[int, ...] = ()
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # request id -> [vocab] it sampled from
     batch: ForwardBatch | None = None
-
-
-class CachedRun(NamedTuple):
-    """One device-resident prefix-cache node that no running request reads."""
-
-    slots: torch.Tensor  # int64[n] on the engine's device
-    token_ids: list[int]  # the n tokens whose K/V the slots hold
-    start_position: int  # position of token_ids[0]
-    prev_slot: int  # slot of position start_position - 1, or -1 at a sequence head
 
 
 class Engine:
@@ -213,7 +204,7 @@ class Engine:
         spin(3)
         return logits
 
-    def _padding(self, plan: Plan) -> tuple[int, int]:
+    def _padding(self, plan: Schedule) -> tuple[int, int]:
         """(padding requests, their slot) of a decode-only batch padded to ``graph_batch_sizes``."""
         sizes, bs = self.config.graph_batch_sizes, len(plan)
         is_decode = all(n == 1 and req.num_cached >= len(req.prompt_ids) for req, n in plan)
@@ -256,9 +247,10 @@ class Engine:
 
     # --- instrumentation --------------------------------------------------------------------
 
-    def prefix_cache_slots(self) -> list[CachedRun]:
+    def prefix_cache_slots(self) -> list[SweepRun]:
         """Every device-resident prefix-cache node no running request reads (lock count 0): its
-        slots, tokens, first position and predecessor slot. For sweeps of idle cached slots."""
+        slots (on the engine's device), tokens, first position and predecessor slot (-1 at a sequence
+        head), as the runs a sweep of idle cached slots takes."""
         if self.tree is None:
             return []
         runs = []
@@ -266,7 +258,7 @@ class Engine:
             if node.is_on_host or node.lock_count:
                 continue
             prev = int(node.parent.slots[-1]) if node.parent is not self.tree.root else -1
-            runs.append(CachedRun(node.slots.to(self.device), list(node.key), node.start, prev))
+            runs.append(SweepRun(node.slots.to(self.device), list(node.key), node.start, prev))
         return runs
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],

@@ -13,12 +13,12 @@ import itertools
 
 import torch
 
-from kvcanary.engine.scheduler import Plan
+from kvcanary.engine.scheduler import Schedule
 from kvcanary.engine.zoo import Bug, Zoo
 from kvcanary.runtime.batch import ForwardBatch
 
 
-def build_forward_batch(plan: Plan, req_to_token: torch.Tensor, num_padding: int = 0, padding_slot: int = 0,
+def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding: int = 0, padding_slot: int = 0,
                         zoo: Zoo | None = None) -> ForwardBatch:
     """The forward of ``plan`` (non-empty) and ``num_padding`` padding requests. Index tensors are
     int64 on ``req_to_token``'s device; ``req_to_token`` itself is passed through, not copied."""
@@ -61,7 +61,7 @@ def build_forward_batch(plan: Plan, req_to_token: torch.Tensor, num_padding: int
     )
 
 
-def _restart_chunk_positions(plan: Plan, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+def _restart_chunk_positions(plan: Schedule, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                              zoo: Zoo) -> torch.Tensor:
     """Zoo (``Bug.CHUNK_POSITIONS_RESTART``): a prefill extend that continues a prefix gets the
     positions of its chunk (0, 1, ...) instead of its sequence's; its slots stay right."""

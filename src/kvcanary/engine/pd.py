@@ -21,15 +21,12 @@ HEAD verifies every received slot again. The two pools never share a tensor.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvcanary.engine.engine import Engine
-from kvcanary.engine.request import RequestStatus
-from kvcanary.engine.workload import Progress, Workload
 from kvcanary.runtime.canary import Canary
 
 
@@ -143,80 +140,3 @@ class KVTransfer:
         for h in self.hooks:
             h.after_receive(payload, dst)
         return dst
-
-
-@dataclass
-class PDCounts:
-    requests: int = 0
-    finished: int = 0
-    aborted: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    request_ids: list[int] = field(default_factory=list)  # decode-engine ids, workload order (-1: not yet)
-
-
-def run_pd_workload(transfer: KVTransfer, workload: Workload, progress: Progress | None = None) -> PDCounts:
-    """Drive ``workload`` through the split: requests arrive at the prefill engine (one step
-    per tick), each finished prefill is transferred and its request (prompt + first token)
-    added to the decode engine, which steps once per tick; marked requests are aborted on the
-    decode side after ``abort_after`` tokens. Exceptions of either engine's step propagate."""
-    prefill, decode = transfer.prefill, transfer.decode
-    reqs, out = workload.requests, PDCounts(requests=len(workload.requests))
-    out.prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
-    out.request_ids = [-1] * len(reqs)
-    pending: dict[int, int] = {}  # prefill id -> workload index
-    to_abort: dict[int, int] = {}  # decode id -> tokens after which it is aborted
-    first_tokens: dict[int, int] = {}
-    tick, added = 0, 0
-    while added < len(reqs) or prefill.has_unfinished or decode.has_unfinished:
-        if not (prefill.has_unfinished or decode.has_unfinished):
-            tick = max(tick, reqs[added].arrival_step)
-        while added < len(reqs) and reqs[added].arrival_step <= tick:
-            pending[prefill.add_request(list(reqs[added].prompt_ids), 1)] = added
-            added += 1
-        if prefill.has_unfinished:
-            t0 = time.perf_counter()
-            result = prefill.step()
-            out.prefill_seconds += time.perf_counter() - t0
-            out.prefill_steps += result.step_index >= 0
-            first_tokens |= result.new_tokens
-            for pid in result.finished_ids:
-                i = pending.pop(pid)
-                r = reqs[i]
-                payload = transfer.send(pid, r.prompt_ids)
-                if payload is not None:
-                    transfer.receive(payload)
-                first = first_tokens.pop(pid)
-                if r.max_new_tokens < 2:  # done with its first token: nothing to decode
-                    out.generated_tokens += 1
-                    continue
-                rid = decode.add_request([*r.prompt_ids, first], r.max_new_tokens - 1)
-                out.request_ids[i] = rid
-                if r.abort_after:
-                    to_abort[rid] = r.abort_after
-        for rid, after in list(to_abort.items()):
-            req = decode.requests[rid]
-            if req.status is RequestStatus.RUNNING and len(req.output_ids) >= after:
-                out.aborted += decode.abort(rid)
-                del to_abort[rid]
-            elif req.status is RequestStatus.FINISHED:
-                del to_abort[rid]
-        if decode.has_unfinished:
-            t0 = time.perf_counter()
-            result = decode.step()
-            out.decode_seconds += time.perf_counter() - t0
-            out.decode_steps += result.step_index >= 0
-        tick += 1
-        if progress is not None:
-            done = sum(decode.requests[i].status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
-                       for i in out.request_ids if i >= 0)
-            progress(done, len(reqs))
-    ids = [i for i in out.request_ids if i >= 0]
-    out.finished = sum(decode.requests[i].status is RequestStatus.FINISHED for i in ids)
-    out.finished += sum(r.max_new_tokens < 2 for r in reqs)
-    out.generated_tokens += sum(1 + len(decode.requests[i].output_ids) for i in ids)
-    return out

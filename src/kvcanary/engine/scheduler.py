@@ -22,7 +22,7 @@ from kvcanary.engine.sampler import draft_tokens
 from kvcanary.engine.stats import EngineStats
 from kvcanary.engine.zoo import Bug, Zoo
 
-Plan = list[tuple[Request, int]]  # (request, number of tokens it extends by), in batch order
+Schedule = list[tuple[Request, int]]  # (request, number of tokens it extends by), in batch order
 
 
 class Scheduler:
@@ -54,11 +54,11 @@ class Scheduler:
             return 0
         return max(min(self.config.num_draft_tokens, budget - 1, req.max_new_tokens - len(req.output_ids)), 0)
 
-    def schedule(self) -> Plan:
+    def schedule(self) -> Schedule:
         """Pick this step's extends, reserving their slots. Side effects: eviction, offload,
         load-back and preemption (hooks ``on_offload``, ``on_load``, ``on_free``)."""
         self.cache.begin_step()
-        plan: Plan = []
+        plan: Schedule = []
         budget, preempted = self.config.max_tokens_per_step, False
         for req in list(self.running):
             if budget == 0:
@@ -111,7 +111,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.ABORTED
 
-    def postprocess(self, plan: Plan, sampled: dict[int, int], step: int = 0,
+    def postprocess(self, plan: Schedule, sampled: dict[int, int], step: int = 0,
                     accepted: dict[int, list[int]] | None = None) -> list[Request]:
         """Account the extends of ``plan``, append ``sampled`` tokens (request id -> token, sampled
         at ``step``) and, for a decode with drafts, the tokens of the drafts it ``accepted`` (request

@@ -1,4 +1,4 @@
-"""The built-in workload and its driver: requests that exercise every path the canary guards.
+"""The built-in workload: requests that exercise every path the canary guards.
 
 ``builtin_workload(WorkloadConfig(...))`` is deterministic in its seed:
 
@@ -13,23 +13,18 @@
 | staggered arrivals   | ``arrivals_per_step`` requests join per driver step                     |
 
 ``load_prompts(path)`` reads a JSONL file instead, one ``{"prompt_ids": [...], "max_new_tokens": N}``
-per line. ``run_workload(engine, workload)`` adds the requests as they arrive, steps until every
-request finished or was aborted, performs the aborts and returns the counts.
+per line. ``kvcanary.runs.driver`` drives a workload through an engine.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvcanary.engine.config import EngineConfig
-from kvcanary.engine.engine import Engine
-from kvcanary.engine.request import RequestStatus
 from kvcanary.errors import ConfigError
 
 CHUNK_SIZE = 32  # the built-in engine's prefill chunk; long prompts exceed it several times
@@ -149,50 +144,3 @@ def engine_config_for(workload: Workload, device: str = "cpu", **overrides) -> E
     base = EngineConfig(num_slots=num_slots, max_rows=33, max_ctx=-(-longest // 64) * 64, chunk_size=CHUNK_SIZE,
                         max_tokens_per_step=192, max_running=16, host_tier_slots=num_slots, device=device)
     return replace(base, **overrides)
-
-
-Progress = Callable[[int, int], None]  # (requests done, requests in all), after each step
-
-
-def run_workload(engine: Engine, workload: Workload, progress: Progress | None = None) -> dict:
-    """Drive ``engine`` through ``workload``: add requests at their arrival step, abort the marked
-    ones once they produced ``abort_after`` tokens, step until nothing is left.
-
-    Returns counts: requests, finished, aborted, prompt_tokens, generated_tokens (outputs of
-    every request, aborted ones included), steps (forwards run), step_seconds (wall time inside
-    ``engine.step``) and request_ids (engine id of each workload request, in order). Exceptions of
-    ``engine.step`` (a ``CanaryViolation`` under the raise policy) propagate.
-    """
-    reqs: Sequence[WorkloadRequest] = workload.requests
-    ids: list[int] = []
-    to_abort: dict[int, int] = {}  # engine id -> tokens after which it is aborted
-    tick, steps, seconds, aborted = 0, 0, 0.0, 0
-    while len(ids) < len(reqs) or engine.has_unfinished:
-        if not engine.has_unfinished:  # idle: jump to the next arrival
-            tick = max(tick, reqs[len(ids)].arrival_step)
-        while len(ids) < len(reqs) and reqs[len(ids)].arrival_step <= tick:
-            r = reqs[len(ids)]
-            ids.append(engine.add_request(list(r.prompt_ids), r.max_new_tokens))
-            if r.abort_after:
-                to_abort[ids[-1]] = r.abort_after
-        for rid, after in list(to_abort.items()):
-            req = engine.requests[rid]
-            if req.status is RequestStatus.RUNNING and len(req.output_ids) >= after:
-                aborted += engine.abort(rid)
-                del to_abort[rid]
-            elif req.status is RequestStatus.FINISHED:
-                del to_abort[rid]
-        if engine.has_unfinished:
-            t0 = time.perf_counter()
-            result = engine.step()
-            seconds += time.perf_counter() - t0
-            steps += result.step_index >= 0
-        tick += 1
-        if progress is not None:
-            done = sum(engine.requests[i].status in (RequestStatus.FINISHED, RequestStatus.ABORTED) for i in ids)
-            progress(done, len(reqs))
-    outputs = [engine.requests[i].output_ids for i in ids]
-    finished = sum(engine.requests[i].status is RequestStatus.FINISHED for i in ids)
-    return {"requests": len(ids), "finished": finished, "aborted": aborted,
-            "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "generated_tokens": sum(map(len, outputs)),
-            "steps": steps, "step_seconds": seconds, "request_ids": ids}

@@ -5,7 +5,7 @@ in the engine where its bug class lives in real engines, acts only under that bu
 and logs every act as a ``ZooEvent`` in ``Engine.zoo`` (so a run can tell the violations the bug
 explains from false positives). ``CATALOGUE`` documents each one: the public bug it re-creates,
 where its switch is, what it does, and what the canary reports first with every check on (token
-truth, ``real_kv`` fingerprints, sweeps). ``kvcanary.faults.zoo_campaign`` triggers each one
+truth, ``real_kv`` fingerprints, sweeps). ``kvcanary.runs.campaign`` triggers each one
 with a workload and checks that expectation.
 
 The engine runs one step at a time on one stream, so the races (``abort_inflight_write``,
@@ -32,7 +32,6 @@ The expectations are what the canary really reported on the triggering workloads
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,23 +39,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcanary.core.record import LaunchPoint, Reason
+from kvcanary.engine.config import Bug
 
 if TYPE_CHECKING:
     from kvcanary.engine.pool import KVPool
-
-
-class Bug(enum.Enum):
-    ABORT_INFLIGHT_WRITE = "abort_inflight_write"
-    PREFIX_PAGE_OFF_BY_ONE = "prefix_page_off_by_one"
-    PADDING_WRITES_LIVE_SLOT = "padding_writes_live_slot"
-    OFFLOAD_SHARED_HOST_ROW = "offload_shared_host_row"
-    LOAD_BACK_UNORDERED = "load_back_unordered"
-    STALE_RADIX_NODE = "stale_radix_node"
-    FAILED_LOAD_COUNTED = "failed_load_counted"
-    REPREFILL_PROMPT_ONLY = "reprefill_prompt_only"
-    REJECTED_DRAFT_KV_CACHED = "rejected_draft_kv_cached"
-    PARTIAL_PAGE_HIT = "partial_page_hit"
-    CHUNK_POSITIONS_RESTART = "chunk_positions_restart"
 
 
 @dataclass(frozen=True)
@@ -178,11 +164,6 @@ CATALOGUE: dict[Bug, BugInfo] = {
         "the wrong positions.",
         LaunchPoint.HEAD, Reason.WRITE_POSITION, Reason(0), "chunked prefill or prefix hits"),
 }
-
-
-def parse_bugs(bugs: Iterable[Bug | str]) -> frozenset[Bug]:
-    """``bugs`` as a frozenset of ``Bug`` (members or their string values). Raises ValueError."""
-    return frozenset(Bug(b) for b in bugs)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.faults.base import Fault, Injection, log
+from kvcanary.faults.base import Injection, RequestFault, log
 from kvcanary.runtime.batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -64,14 +64,13 @@ def rows_to_load(engine: Engine, request_id: int | None = None) -> list[tuple[Ra
     return out
 
 
-class HostRowFault(Fault):
+class HostRowFault(RequestFault):
     """Base of the host-tier faults: subclasses implement ``damage(step, targets)``.
     ``request_id``: damage what this waiting request will load back (None: the front-most
     waiting request that will load something)."""
 
-    def __init__(self, *, request_id: int | None = None, **gate):
+    def __init__(self, **gate):
         super().__init__(**gate)
-        self.request_id = request_id
         self.load_step: dict[Injection, int] = {}
         self.waiting: dict[Injection, set[int]] = {}  # injection -> its damaged rows still on the host
 

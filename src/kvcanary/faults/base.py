@@ -205,3 +205,14 @@ def pick_target(fault: Fault) -> tuple[int, Half, int, int]:
     span = slot_bytes if is_all else min(PARTIAL_BYTES, slot_bytes)
     byte = fault.rng.randrange(span // elem) * elem
     return layer, half, byte, fault.rng.randrange(min(6, 8 * elem - 2))
+
+
+class RequestFault(Fault):
+    """A fault aimed at one request: ``request_id`` (None: any request it finds a target in)."""
+
+    def __init__(self, *, request_id: int | None = None, **gate):
+        super().__init__(**gate)
+        self.request_id = request_id
+
+    def aims_at(self, request_id: int) -> bool:
+        return self.request_id in (None, request_id)

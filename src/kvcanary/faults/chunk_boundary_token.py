@@ -18,19 +18,15 @@ from __future__ import annotations
 
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.faults._follow import SequenceFault
-from kvcanary.faults.base import Expectation
+from kvcanary.faults.base import Expectation, RequestFault
 from kvcanary.runtime.batch import ForwardBatch
 
 
-class ChunkBoundaryToken(SequenceFault):
+class ChunkBoundaryToken(SequenceFault, RequestFault):
     """``request_id``: the prefilling request (None: any request of the batch at a chunk boundary)."""
 
     name = "chunk_boundary_token"
     expected = Expectation(LaunchPoint.HEAD, Reason.WRITE_TOKEN)
-
-    def __init__(self, *, request_id: int | None = None, **gate):
-        super().__init__(**gate)
-        self.request_id = request_id
 
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
         if not self.is_armed(step):
@@ -39,7 +35,7 @@ class ChunkBoundaryToken(SequenceFault):
         chunks = []
         for i, rid, prefix, extend in self.batch_requests(batch):
             req = self.engine.requests[rid]
-            if self.request_id in (None, rid) and extend > 0 and req.num_prefix_cached < prefix < len(req.prompt_ids):
+            if self.aims_at(rid) and extend > 0 and req.num_prefix_cached < prefix < len(req.prompt_ids):
                 chunks.append((i, rid, prefix))
         vocab = self.engine.model_config.vocab_size
         if not chunks or vocab < 2:

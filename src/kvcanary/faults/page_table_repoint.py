@@ -10,26 +10,22 @@ stored position is not ``p`` (position), and with token truth it holds another t
 from __future__ import annotations
 
 from kvcanary.core.record import LaunchPoint, Reason
-from kvcanary.faults.base import Expectation, Fault
+from kvcanary.faults.base import Expectation, RequestFault
 from kvcanary.runtime.batch import ForwardBatch
 
 
-class PageTableRepoint(Fault):
+class PageTableRepoint(RequestFault):
     """``request_id``: the request whose page table is damaged (None: a random one of the batch)."""
 
     name = "page_table_repoint"
     expected = Expectation(LaunchPoint.HEAD, Reason.CHAIN,
                            Reason.POSITION | Reason.VERIFY_TOKEN | Reason.WRITE_POSITION)
 
-    def __init__(self, *, request_id: int | None = None, **gate):
-        super().__init__(**gate)
-        self.request_id = request_id
-
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
         if not self.is_armed(step):
             return
         reqs = [r for r in self.batch_requests(batch) if r[2] > 0]
-        victims = [r for r in reqs if self.request_id in (None, r[1])]
+        victims = [r for r in reqs if self.aims_at(r[1])]
         if not victims or len(reqs) < 2:
             self.skip(step, "needs a target request with a prefix and another request that reads one")
             return

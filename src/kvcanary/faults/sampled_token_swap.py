@@ -22,19 +22,15 @@ from __future__ import annotations
 
 from kvcanary.core.record import LaunchPoint, Reason
 from kvcanary.faults._follow import SequenceFault
-from kvcanary.faults.base import Expectation
+from kvcanary.faults.base import Expectation, RequestFault
 from kvcanary.runtime.batch import ForwardBatch
 
 
-class SampledTokenSwap(SequenceFault):
+class SampledTokenSwap(SequenceFault, RequestFault):
     """``request_id``: one of the two requests (None: any decoding request of the batch)."""
 
     name = "sampled_token_swap"
     expected = Expectation(LaunchPoint.HEAD, Reason.WRITE_TOKEN)
-
-    def __init__(self, *, request_id: int | None = None, **gate):
-        super().__init__(**gate)
-        self.request_id = request_id
 
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
         if not self.is_armed(step):
@@ -45,7 +41,7 @@ class SampledTokenSwap(SequenceFault):
             req = self.engine.requests[rid]
             if extend == 1 and req.output_ids and prefix == req.num_tokens - 1:
                 decoders.append((rid, starts[i], int(batch.input_ids[starts[i]])))
-        firsts = [d for d in decoders if self.request_id in (None, d[0])]
+        firsts = [d for d in decoders if self.aims_at(d[0])]
         pairs = [(a, b) for a in firsts for b in decoders if a[0] != b[0] and a[2] != b[2]]
         if not pairs:
             self.skip(step, "needs two decoding requests in the batch that sampled different tokens")

@@ -16,7 +16,7 @@ from kvcanary.core.hashing import MASK64, to_signed
 from kvcanary.core.record import CHAIN, POSITION, LaunchPoint, Reason, record_words
 from kvcanary.errors import ConfigError
 from kvcanary.faults._follow import SequenceFault
-from kvcanary.faults.base import Expectation
+from kvcanary.faults.base import Expectation, RequestFault
 from kvcanary.runtime.batch import ForwardBatch
 
 
@@ -35,21 +35,20 @@ class StampField(enum.Enum):
         return Reason.CHAIN if self is StampField.CHAIN else Reason.POSITION
 
 
-class StampCorruption(SequenceFault):
+class StampCorruption(SequenceFault, RequestFault):
     """``field``: the record word to damage (``StampField`` or its value); ``request_id``: the slot
     is read by this request (None: any request of the batch that reads a prefix)."""
 
     name = "stamp_corruption"
     expected = Expectation(LaunchPoint.HEAD, Reason.CHAIN)
 
-    def __init__(self, *, field: StampField | str = StampField.CHAIN, request_id: int | None = None, **gate):
+    def __init__(self, *, field: StampField | str = StampField.CHAIN, **gate):
         super().__init__(**gate)
         try:
             self.field = StampField(field)
         except ValueError:
             raise ConfigError(f"StampCorruption field must be one of {[f.value for f in StampField]}, "
                               f"got {field!r}") from None
-        self.request_id = request_id
         self.expected = Expectation(LaunchPoint.HEAD, self.field.reason)
 
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
@@ -58,7 +57,7 @@ class StampCorruption(SequenceFault):
         if self.canary is None:
             self.skip(step, "needs a canary whose records it can damage")
             return
-        readers = [r for r in self.batch_requests(batch) if r[2] > 0 and self.request_id in (None, r[1])]
+        readers = [r for r in self.batch_requests(batch) if r[2] > 0 and self.aims_at(r[1])]
         if not readers:
             self.skip(step, "no target request reads a prefix in this forward")
             return

@@ -16,19 +16,18 @@ from collections import Counter
 import torch
 
 from kvcanary.core.record import LaunchPoint, Reason
-from kvcanary.faults.base import Expectation, Fault, Injection, flip_bit, log, pick_target
+from kvcanary.faults.base import Expectation, Injection, RequestFault, flip_bit, log, pick_target
 from kvcanary.runtime.batch import ForwardBatch
 
 
-class UsedSlotFlip(Fault):
+class UsedSlotFlip(RequestFault):
     """``request_id``: read by this request (None: any request of the batch that keeps running)."""
 
     name = "used_slot_flip"
     expected = Expectation(LaunchPoint.TAIL, Reason.FINGERPRINT)
 
-    def __init__(self, *, request_id: int | None = None, **gate):
+    def __init__(self, **gate):
         super().__init__(**gate)
-        self.request_id = request_id
         self._unread: Injection | None = None  # the flip of the last step, until a forward reads it
 
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
@@ -50,7 +49,7 @@ class UsedSlotFlip(Fault):
         for i, rid, prefix, extend in self.batch_requests(batch):
             req = engine.requests[rid]
             samples = req.num_cached + extend == req.num_tokens
-            if self.request_id in (None, rid) and req.max_new_tokens - len(req.output_ids) - samples >= 2:
+            if self.aims_at(rid) and req.max_new_tokens - len(req.output_ids) - samples >= 2:
                 readers.append((i, rid, prefix + extend))
         if not readers:
             self.skip(step, "no request of the batch reads again in the next step")

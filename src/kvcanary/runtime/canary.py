@@ -39,7 +39,7 @@ from kvcanary.core.record import (
     new_stats,
 )
 from kvcanary.errors import CanaryViolation, ConfigError, KVCanaryError
-from kvcanary.ops._common import HAS_TRITON, Backend
+from kvcanary.ops.backend import HAS_TRITON, Backend
 from kvcanary.ops.check import Workspace, check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.errors import ConfigError
-from kvcanary.ops._common import HAS_TRITON, tl, triton
+from kvcanary.ops.backend import HAS_TRITON, tl, triton
 
 
 @triton.jit

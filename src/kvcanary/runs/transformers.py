@@ -10,17 +10,17 @@ aborted (the manager API has no step clock to time them by).
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Sequence
 
 import torch
-import typer
 
 from kvcanary.adapters.transformers import install, page_size_option
-from kvcanary.core.record import LaunchPoint
-from kvcanary.engine.workload import Progress
 from kvcanary.errors import CanaryViolation, ConfigError
-from kvcanary.faults.campaign import RunSetup
+from kvcanary.runs.driver import Progress, RunCounts, StepCounts
+from kvcanary.runs.report import CanaryCounts, RunReport, first_violations
+from kvcanary.runs.setup import MissingExtra, OptionError, RunSetup
 
 PAGE = 16
 
@@ -30,7 +30,7 @@ def _model(setup: RunSetup):
 
     m = setup.model
     if getattr(m, "sliding_window", 0):
-        raise typer.BadParameter("the transformers adapter supports full-attention models only", param_hint="--model")
+        raise OptionError("the transformers adapter supports full-attention models only", "--model")
     cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.intermediate,
                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
                       num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
@@ -75,16 +75,18 @@ def _generate(model, setup: RunSetup, progress: Progress | None) -> tuple[dict, 
     return results, time.perf_counter() - t0
 
 
-def run_transformers(setup: RunSetup, faults: Sequence, progress: Progress | None = None) -> dict:
-    """Run the workload with the canary; the report has the keys of ``build_report``."""
+def run_transformers(setup: RunSetup, faults: Sequence = (), progress: Progress | None = None) -> RunReport:
+    """Run the workload with the canary; its report (the attachments' canaries merged)."""
     if faults:
-        raise typer.BadParameter("--fault drives the reference engine's hooks; with --engine transformers the "
-                                 "fault matrix is the adapter's test suite (tests/adapters)", param_hint="--fault")
+        raise OptionError("--fault drives the reference engine's hooks; with --engine transformers the fault "
+                          "matrix is the adapter's test suite (tests/adapters)", "--fault")
+    if importlib.util.find_spec("transformers") is None:
+        raise MissingExtra("transformers", "--engine transformers")
     model = _model(setup)
     try:
         kv = install(model, setup.canary, max_ctx=model.config.max_position_embeddings)
     except ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint="--engine") from None
+        raise OptionError(str(e), "--engine") from None
     with kv:
         results, seconds = _generate(model, setup, progress)
         try:
@@ -95,36 +97,26 @@ def run_transformers(setup: RunSetup, faults: Sequence, progress: Progress | Non
     return _report(setup, kv, results, seconds, error)
 
 
-def _report(setup: RunSetup, kv, results: dict, seconds: float, error: str | None) -> dict:
-    totals, stats = kv.totals(), kv.stats
-    counters = [a.canary.counters() for a in kv.attachments]
-    point = lambda p, k: sum(c[p.name][k] for c in counters)
+def _report(setup: RunSetup, kv, results: dict, seconds: float, error: str | None) -> RunReport:
+    stats = kv.stats
     failed = [r for r in results.values() if getattr(r, "error", None)]
     if failed and error is None:
         error = f"{len(failed)} request(s) failed inside transformers; first: {failed[0].error}"
-    violations = kv.violations
-    return {
-        "engine_name": "transformers", "transformers_version": kv.version,
-        "requests": setup.workload.num_requests, "finished": len(results) - len(failed), "aborted": 0,
-        "prompt_tokens": sum(len(r.prompt_ids) for r in setup.workload.requests),
-        "generated_tokens": sum(len(r.generated_tokens) for r in results.values()),
-        "steps": stats.forwards, "step_seconds": seconds,
-        "violations": max(sum(c["ring_total"] for c in counters), len(violations)),
-        "violations_decoded": len(violations),
-        "by_reason": dict(sorted(totals["by_reason"].items())),
-        "by_launch_point": {p.name: totals["by_launch_point"].get(p.name, 0) for p in LaunchPoint},
-        "canary_time_share": totals["seconds"] / seconds if seconds > 0 else 0.0,
-        "canary_seconds": totals["seconds"], "wall_seconds": seconds,
-        "protected_slots": point(LaunchPoint.HEAD, "stamped"),
-        "verified_slots": sum(point(p, "checked") for p in LaunchPoint),
-        "sweeps": totals["sweeps"], "watchdog_alarms": len(kv.alarms), "stopped": error,
-        "engine": {"num_evicted_slots": 0, "num_offloaded_slots": stats.offloaded_slots,
-                   "num_loaded_slots": stats.restored_slots, "num_aborts": 0, "num_preemptions": 0,
-                   "num_recomputes": 0, **{f"adapter_{k}": v for k, v in stats.as_dict().items()}},
-        "canary": {k: v for k, v in totals.items() if k not in ("by_reason", "by_launch_point")},
-        "injections": [],
-        "config": {"policy": setup.canary.policy.value, "real_kv": setup.canary.real_kv.name.lower(),
-                   "sweep_interval": setup.canary.sweep_interval, "sweep_budget": setup.canary.sweep_budget_bytes,
-                   "truth": setup.canary.truth, "device": setup.engine.device, "page_size": PAGE},
-        "first_violations": [v.to_json() for v in violations[:20]],
-    }
+    canary = CanaryCounts.merge([CanaryCounts.of([a.canary], [v for r in a.reports for v in r.violations],
+                                                 [x for r in a.reports for x in r.alarms]) for a in kv.attachments])
+    reqs = setup.workload.requests
+    counts = RunCounts(requests=len(reqs), finished=len(results) - len(failed), aborted=0,
+                       prompt_tokens=sum(len(r.prompt_ids) for r in reqs),
+                       generated_tokens=sum(len(r.generated_tokens) for r in results.values()),
+                       decode=StepCounts(stats.forwards, seconds))
+    c = setup.canary
+    return RunReport(
+        counts=counts, canary=canary,
+        engine={"num_evicted_slots": 0, "num_offloaded_slots": stats.offloaded_slots,
+                "num_loaded_slots": stats.restored_slots, "num_aborts": 0, "num_preemptions": 0,
+                "num_recomputes": 0, **{f"adapter_{k}": v for k, v in stats.as_dict().items()}},
+        config={"policy": c.policy.value, "real_kv": c.real_kv.name.lower(), "sweep_interval": c.sweep_interval,
+                "sweep_budget": c.sweep_budget_bytes, "truth": c.truth, "device": setup.engine.device,
+                "page_size": PAGE},
+        wall_seconds=seconds, stopped=error, first_violations=first_violations(kv.violations),
+        about={"engine_name": "transformers", "transformers_version": kv.version})

@@ -1,37 +1,20 @@
-"""Run each real-bug zoo switch (``kvcanary.engine.zoo``) on a workload that triggers it, and
-judge what the canary reported like a fault's run.
-
-``zoo_cases(...)`` builds one ``ZooCase`` per bug from the built-in workload and its engine
-config: the bug's switch on, plus what its trigger needs (``RECIPES``: page size 4 with a system
-prompt one page long or one token past two pages, no host tier, padding to captured batch
-sizes, speculative drafts, a smaller pool). ``run_zoo_case`` runs it with a ``ZooTracker``,
-which turns each logged act of the switch into an ``Injection`` (so ``judge`` tells the
-violations the bug explains from false positives); ``run_zoo`` runs them all.
+"""``ZooTracker``: follows one real-bug zoo switch (``kvcanary.engine.zoo``) through a run as if it
+were a fault, so ``judge`` tells the violations the bug explains from false positives: every act
+the engine logs becomes an ``Injection``, and the damage is followed through offload, load-back
+and broken chain links.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint, format_reasons
-from kvcanary.engine.config import ModelConfig, SamplerKind
-from kvcanary.engine.engine import Engine
-from kvcanary.engine.workload import Progress, WorkloadConfig, builtin_workload, engine_config_for, run_workload
 from kvcanary.engine.zoo import CATALOGUE, Bug, ZooEvent
-from kvcanary.errors import CanaryViolation
 from kvcanary.faults.base import Expectation, Fault, Injection
-from kvcanary.faults.campaign import RunOutcome, RunSetup, Verdict, judge, partial_counts
-from kvcanary.faults.hooks import attach_faults
-from kvcanary.runtime.canary import WatchdogTimeout
 from kvcanary.runtime.reporting import Violation
-
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -150,73 +133,3 @@ class ZooTracker(Fault):
 
     def on_free(self, slots: torch.Tensor) -> None:
         self.poll()
-
-
-@dataclass(frozen=True)
-class ZooCase:
-    bug: Bug
-    setup: RunSetup
-
-
-# what each trigger needs beyond the built-in workload: (workload overrides, engine overrides)
-RECIPES: dict[Bug, tuple[dict, dict]] = {
-    Bug.PREFIX_PAGE_OFF_BY_ONE: ({"system_prompt_len": 4}, {"page_size": 4}),  # prefix hits of one page
-    Bug.PARTIAL_PAGE_HIT: ({"system_prompt_len": 9}, {"page_size": 4}),  # the third page starts alike
-    Bug.STALE_RADIX_NODE: ({}, {"host_tier_slots": 0}),  # eviction drops nodes
-    Bug.PADDING_WRITES_LIVE_SLOT: ({}, {"graph_batch_sizes": GRAPH_BATCH_SIZES}),
-    Bug.REJECTED_DRAFT_KV_CACHED: ({}, {"sampler": SamplerKind.ORACLE, "num_draft_tokens": 3}),
-    # load-backs under pressure, of system prompts that come back
-    Bug.LOAD_BACK_UNORDERED: ({"num_system_prompts": 6, "block_size": 2}, {"num_slots": 448, "host_tier_slots": 448}),
-}
-
-
-def zoo_cases(model: ModelConfig, canary: CanaryConfig, workload: WorkloadConfig, device: str = "cpu",
-              bugs: Sequence[Bug] = tuple(Bug)) -> list[ZooCase]:
-    """One case per bug: the built-in ``workload`` and its engine config (``engine_config_for``)
-    with the bug's switch on and its ``RECIPES`` entry applied."""
-    cases = []
-    for bug in bugs:
-        workload_overrides, engine_overrides = RECIPES.get(bug, ({}, {}))
-        w = builtin_workload(dataclasses.replace(workload, **workload_overrides))
-        engine = engine_config_for(w, device, bugs=frozenset({bug}), **engine_overrides)
-        cases.append(ZooCase(bug, RunSetup(model, engine, canary, w)))
-    return cases
-
-
-def twin(case: ZooCase) -> RunSetup:
-    """The case's setup with its switch off: the same workload and engine features, no bug."""
-    return dataclasses.replace(case.setup, engine=dataclasses.replace(case.setup.engine, bugs=frozenset()))
-
-
-def run_zoo_case(case: ZooCase, progress: Progress | None = None) -> tuple[Verdict, RunOutcome]:
-    """Run ``case`` with its tracker and judge the outcome. A host-side invariant the bug breaks
-    (an ``AssertionError`` of the engine) stops the run like the raise policy does; the
-    violations reported until then are judged."""
-    tracker = ZooTracker(case.bug)
-    out = run_setup(case.setup, [tracker], progress)
-    return judge(tracker, tracker.injections, out.violations), out
-
-
-def run_setup(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progress | None = None) -> RunOutcome:
-    """``campaign.run_once``, also stopping at an engine assertion (a broken host invariant)."""
-    s = setup
-    engine, hooks, fault_hooks = attach_faults(lambda h: Engine(s.model, s.engine, h), s.canary, faults)
-    error, extra, alarms, t0 = None, [], [], time.perf_counter()
-    try:
-        counts = run_workload(engine, s.workload, progress)
-        final = hooks.canary.flush(engine.step_index)
-        extra, alarms = final.violations, final.alarms
-    except (CanaryViolation, WatchdogTimeout, AssertionError) as e:
-        error = f"{type(e).__name__}: {e}" if isinstance(e, AssertionError) else str(e)
-        extra = getattr(e, "violations", [])
-        counts = partial_counts(engine, time.perf_counter() - t0)
-    violations = [v for r in hooks.reports for v in r.violations] + list(extra)
-    alarms = [a for r in hooks.reports for a in r.alarms] + list(alarms)
-    return RunOutcome(engine, hooks, counts, violations, fault_hooks.injections, time.perf_counter() - t0, error,
-                      alarms)
-
-
-def run_zoo(cases: Sequence[ZooCase], progress: Callable[[str], Progress | None] | None = None) -> list[Verdict]:
-    """One judged run per case. ``progress(label)`` may return a per-run progress callback."""
-    bar = progress or (lambda label: None)
-    return [run_zoo_case(case, bar(case.bug.value))[0] for case in cases]
