@@ -7,12 +7,12 @@ import threading
 
 import pytest
 
-from kvcanary.cli.run import build_report
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
 from kvcanary.faults import UsedSlotFlip
 from kvcanary.runs.setup import RunSetup
+from kvcanary.runs.single import report as run_report
 from kvcanary.runs.single import run_once
 
 
@@ -26,7 +26,7 @@ def _setup() -> RunSetup:
 def faulty():
     setup = _setup()
     out = run_once(setup, [UsedSlotFlip(seed=0, warmup_steps=6)])
-    return out, build_report(setup, out)
+    return out, run_report(setup, out).to_json()
 
 
 def test_the_run_report_counts_incidents_beside_violations(faulty):
@@ -43,7 +43,7 @@ def test_the_run_report_counts_incidents_beside_violations(faulty):
 
 def test_a_clean_run_reports_no_incident():
     setup = _setup()
-    report = build_report(setup, run_once(setup))
+    report = run_report(setup, run_once(setup)).to_json()
     assert report["violations"] == report["incidents"] == report["redetections"] == 0
     assert report["first_incidents"] == [] and report["incidents_by_reason"] == {}
 
