@@ -1,15 +1,52 @@
-"""One FastAPI app: the reference engine's ``/v1/completions`` with the admin routes and
-``/metrics`` mounted; the engine steps while the app runs (its lifespan)."""
+"""One FastAPI app: the reference engine's OpenAI-compatible routes with the admin routes and
+``/metrics`` mounted, behind the access rules (``access.py``) and the request-id middleware; the
+engine thread runs while the app runs (its lifespan)."""
 
 from __future__ import annotations
 
+import re
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvcanary.server.admin import install_error_handlers
+from kvcanary.server.access import AccessMiddleware
 from kvcanary.server.completions import completions_router
+from kvcanary.server.errors import error_response, install_error_handlers
 from kvcanary.server.service import EngineService, ServeConfig
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # fits the violation line's request field
+
+
+class RequestIdMiddleware:
+    """Takes the client's ``X-Request-Id`` (or makes one), keeps it in ``scope["state"]["request_id"]``
+    for the routes (it names the request in violation lines and incidents) and echoes it on the
+    response. An id outside ``REQUEST_ID_RE`` is refused with 400."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        raw = dict(scope.get("headers") or []).get(b"x-request-id")
+        if raw is None:
+            rid = f"cmpl-{uuid.uuid4().hex}"
+        else:
+            rid = raw.decode("latin-1")
+            if not REQUEST_ID_RE.match(rid):
+                response = error_response(400, f"X-Request-Id {rid[:80]!r} must be 1-64 characters of A-Z a-z "
+                                               "0-9 . _ -", "X-Request-Id")
+                return await response(scope, receive, send)
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def build_app(config: ServeConfig) -> FastAPI:
@@ -29,4 +66,16 @@ def build_app(config: ServeConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions_router(service))
     app.include_router(service.admin.router())
+    app.add_middleware(AccessMiddleware, config=config.access)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so refusals carry the id too
     return app
+
+
+def route_list(app: FastAPI) -> list[str]:
+    """``"GET /canary/status"``, ... for every route of ``app`` (the exposure warning names them)."""
+    out = []
+    for r in app.routes:
+        methods = sorted(getattr(r, "methods", None) or ())
+        if methods and not r.path.startswith(("/docs", "/redoc", "/openapi")):
+            out += [f"{m} {r.path}" for m in methods if m != "HEAD"]
+    return out
