@@ -73,9 +73,30 @@ def build_app(config: ServeConfig) -> FastAPI:
 
 def route_list(app: FastAPI) -> list[str]:
     """``"GET /canary/status"``, ... for every route of ``app`` (the exposure warning names them)."""
-    out = []
-    for r in app.routes:
-        methods = sorted(getattr(r, "methods", None) or ())
-        if methods and not r.path.startswith(("/docs", "/redoc", "/openapi")):
-            out += [f"{m} {r.path}" for m in methods if m != "HEAD"]
-    return out
+    return [f"{method.upper()} {path}" for path, ops in app.openapi()["paths"].items() for method in ops]
+
+
+def run_server(config: ServeConfig, host: str, port: int, announce=None) -> None:
+    """Serve ``build_app(config)`` on ``host:port`` until SIGINT/SIGTERM, then drain: new requests
+    get 503, in-flight ones have ``ServeLimits.drain_s`` to finish, the rest are aborted with a
+    clean 503, and the process exits 0. ``announce(app)`` runs before it binds."""
+    import uvicorn
+
+    app = build_app(config)
+    if announce is not None:
+        announce(app)
+    service: EngineService = app.state.service
+    drain_s = config.limits.drain_s
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a drained shutdown exits 0 instead of re-raising the signal
+
+        async def shutdown(self, sockets=None) -> None:
+            service.begin_drain(drain_s)
+            await super().shutdown(sockets)
+
+    uv = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                        timeout_graceful_shutdown=int(drain_s) + 2, timeout_keep_alive=5)
+    DrainingServer(uv).run()

@@ -336,7 +336,7 @@ class EngineService(AdminTarget):
                                     f"{self.limits.max_queued}; retry later")
             added = []
             try:
-                for i, (p, gen) in enumerate(zip(prompts, gens, strict=True)):
+                for p, gen in zip(prompts, gens, strict=True):
                     gen.engine_id = self.engine.add_request(p, max_tokens)
                     added.append(gen)
                     self.live[gen.engine_id] = gen
@@ -344,7 +344,7 @@ class EngineService(AdminTarget):
             except (ValueError, KVCanaryError) as e:
                 for g in added:
                     self._abort(g, ApiError(400, str(e)))
-                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                param = "prompt" if len(prompts) == 1 else f"prompt[{len(added)}]"
                 raise ApiError(400, f"{param}: {e}", "prompt") from None
             self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
 
