@@ -393,6 +393,8 @@ class EngineService(AdminTarget):
         params = dict(params)
         check_fault_params(FAULTS[kind], params)
         warmup = params.pop("warmup_steps", 0)
+        if warmup < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup!r}")
         fault = FAULTS[kind](warmup_steps=self.engine.step_index + warmup, **params)
         fault.attach(self.engine, self.canary)
         self.fault_hooks.faults.append(fault)
