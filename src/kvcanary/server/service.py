@@ -123,13 +123,13 @@ class Generation:
             pass
 
     def _finish(self, reason: str) -> None:
-        self.finished_at = time.monotonic()
+        self.finished_at = self.finished_at or time.monotonic()
         self.finish_reason = reason
         self._notify()
 
     def _fail(self, error: ApiError) -> None:
         if not self.is_done:
-            self.finished_at = time.monotonic()
+            self.finished_at = self.finished_at or time.monotonic()
             self.error = error
             self._notify()
 
@@ -156,6 +156,7 @@ class EngineService(AdminTarget):
         for c in self.canaries():
             c.request_names = self.names
         self._reports_seen = 0
+        self._next_id = 1
         self._commands: list[tuple[Callable, concurrent.futures.Future]] = []
         self._wake = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -287,19 +288,20 @@ class EngineService(AdminTarget):
             if req.status is not RequestStatus.FINISHED:
                 gen._notify()
         if req.status is RequestStatus.FINISHED and not gen._behind:
+            self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
             gen._finish("length")
-            self._release(gen, "finished")
 
     def _abort(self, gen: Generation, error: ApiError) -> None:
         if gen.engine_id in self.engine.requests:
             self.engine.abort(gen.engine_id)
-        gen._fail(error)
         self._release(gen, "aborted")
+        gen._fail(error)
 
     def _release(self, gen: Generation, status: str) -> None:
         rid = gen.engine_id
         if self.live.pop(rid, None) is None:
             return
+        gen.finished_at = gen.finished_at or time.monotonic()
         self.engine.requests.pop(rid, None)
         if len(self._retired) == self._retired.maxlen:
             self.names.pop(self._retired[0], None)
@@ -337,7 +339,8 @@ class EngineService(AdminTarget):
             added = []
             try:
                 for p, gen in zip(prompts, gens, strict=True):
-                    gen.engine_id = self.engine.add_request(p, max_tokens)
+                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id)
+                    self._next_id += 1  # never reused: names and history stay unambiguous
                     added.append(gen)
                     self.live[gen.engine_id] = gen
                     self.names[gen.engine_id] = gen.client_id
