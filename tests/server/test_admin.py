@@ -269,16 +269,19 @@ def test_cached_content_needs_the_token(client):
         slot = int(run.slots[len(run.slots) // 2])
         flip_bit(service.engine, 0, Half.K, slot, 0, 1)
     assert client.post("/canary/sweep", json={}, headers=AUTH).json()["violations"]
-    open_view, full = client.get(f"/canary/slots/{slot}").json(), client.get(f"/canary/slots/{slot}", headers=AUTH).json()
+    open_view = client.get(f"/canary/slots/{slot}").json()
+    full = client.get(f"/canary/slots/{slot}", headers=AUTH).json()
     assert (open_view["token"], open_view["chain"], open_view["fingerprint"], open_view["content_shown"]) == (
         None, None, None, False)
-    assert full["token"] == run.token_ids[len(run.slots) // 2] and full["chain"].startswith("0x") and full["content_shown"]
+    assert full["token"] == run.token_ids[len(run.slots) // 2] and full["chain"].startswith("0x")
+    assert full["content_shown"]
     assert open_view["position"] == full["position"] and open_view["stamped"]
     for path in ("/canary/violations", "/canary/status"):
         key = "violations" if path.endswith("violations") else "last_violations"
         hidden, shown = client.get(path).json()[key][0], client.get(path, headers=AUTH).json()[key][0]
         assert [hidden[k] for k in ("token", "expected_token", "stored_value", "expected_value")] == [None] * 4
-        assert shown["token"] is not None and shown["stored_value"] is not None and hidden["slot"] == shown["slot"] == slot
+        assert shown["token"] is not None and shown["stored_value"] is not None
+        assert hidden["slot"] == shown["slot"] == slot
     wrong = client.get(f"/canary/slots/{slot}", headers={"Authorization": "Bearer nope"}).json()
     assert wrong["token"] is None
 

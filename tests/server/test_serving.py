@@ -13,7 +13,6 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-
 from tests.server.conftest import AUTH, serve_config, served
 
 openai = pytest.importorskip("openai")
@@ -124,7 +123,8 @@ def test_queue_cap_answers_429():
     with served(serve_config(max_queued=3)) as (base, _):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
         assert r.status_code == 429 and "at most 3" in r.json()["error"]["message"]
-        assert httpx.post(f"{base}/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2}).status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert r.status_code == 200
 
 
 def test_request_id_is_echoed_and_names_the_request_in_violations(server, caplog):
@@ -159,7 +159,7 @@ def test_openai_client_streams_the_same_text(server):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model="kv-canary-reference", messages=messages, max_tokens=10)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
-    assert chat.usage.prompt_tokens == len("<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n".encode())
+    assert chat.usage.prompt_tokens == len(b"<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n")
     deltas = list(client.chat.completions.create(model="kv-canary-reference", messages=messages, max_tokens=10,
                                                  stream=True))
     assert deltas[0].choices[0].delta.role == "assistant"
@@ -199,7 +199,9 @@ def test_engine_metrics_in_the_vllm_style():
         assert m[("kvcanary_request_success_total", (("finished_reason", "length"),))] == 3
         assert m[("kvcanary_time_to_first_token_seconds_count", ())] == 3
         assert m[("kvcanary_e2e_request_latency_seconds_count", ())] == 3
-        assert 0 < m[("kvcanary_time_to_first_token_seconds_sum", ())] <= m[("kvcanary_e2e_request_latency_seconds_sum", ())]
+        ttft = m[("kvcanary_time_to_first_token_seconds_sum", ())]
+        e2e = m[("kvcanary_e2e_request_latency_seconds_sum", ())]
+        assert 0 < ttft <= e2e
 
 
 def test_drain_answers_in_flight_then_refuses():
