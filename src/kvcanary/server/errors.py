@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +60,9 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return AsciiJSONResponse(error_body(status, message, param), status, headers=headers)
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|[A-Z][a-z]+[A-Z]\w*)$")
+
+
 def _param(loc: tuple) -> str | None:
     """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``; query/path/header names as they are."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
@@ -66,7 +70,7 @@ def _param(loc: tuple) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif p.startswith(("str", "list[", "int", "function-")):  # pydantic's union-branch tags
+        elif _UNION_TAG.match(p):  # pydantic's names of union branches
             continue
         else:
             out += ("." if out else "") + p
