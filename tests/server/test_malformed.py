@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from tests.server.conftest import AUTH
 
 J = {"Content-Type": "application/json"}
@@ -112,9 +111,9 @@ def test_still_serving_after_the_corpus(server):
 def test_catch_all_500_is_json_without_a_traceback():
     """An unexpected failure inside a route is a JSON 500 naming only the exception type."""
     from fastapi.testclient import TestClient
+    from tests.server.conftest import serve_config
 
     from kvcanary.server.app import build_app
-    from tests.server.conftest import serve_config
 
     app = build_app(serve_config())
 
