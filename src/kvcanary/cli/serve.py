@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from typing import Annotated
 
 import typer
@@ -117,3 +119,9 @@ def serve(
                           f"admin /canary/status, metrics /metrics; faults {faults}", highlight=False)
 
     run_server(config, host, port, announce)
+    # Drained and shut down: skip the interpreter's teardown of torch and friends (1-2 s on a busy
+    # box), so SIGTERM-to-exit stays within the drain period plus a fraction of a second.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

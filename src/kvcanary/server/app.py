@@ -98,5 +98,5 @@ def run_server(config: ServeConfig, host: str, port: int, announce=None) -> None
             await super().shutdown(sockets)
 
     uv = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                        timeout_graceful_shutdown=int(drain_s) + 2, timeout_keep_alive=5)
+                        timeout_graceful_shutdown=int(drain_s) + 2, timeout_keep_alive=30)
     DrainingServer(uv).run()
