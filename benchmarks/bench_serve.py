@@ -174,7 +174,8 @@ def main() -> None:
         t0 = time.perf_counter()
         ok, errors = asyncio.run(many(base, args.rss_requests))
         after = rss_mb(proc)
-        out["rss"] = {"requests": args.rss_requests, "ok": ok, "transport_errors": errors, "seconds": round(time.perf_counter() - t0, 1),
+        out["rss"] = {"requests": args.rss_requests, "ok": ok, "transport_errors": errors,
+                      "seconds": round(time.perf_counter() - t0, 1),
                       "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
                       "growth_mb_per_10k": round((after - before) * 10_000 / args.rss_requests, 2)}
         print(json.dumps(out["rss"]), flush=True)
