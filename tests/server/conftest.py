@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from kvcanary.config import CanaryConfig
+from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine.config import EngineConfig
 from kvcanary.server.admin import AdminConfig
 from kvcanary.server.app import build_app
@@ -27,9 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_config(**limits) -> ServeConfig:
+def serve_config(policy: Policy = Policy.LOG, **limits) -> ServeConfig:
     return ServeConfig(engine=EngineConfig(num_slots=4096, max_ctx=1024, chunk_size=64, host_tier_slots=1024),
-                       canary=CanaryConfig(sweep_interval=4),
+                       canary=CanaryConfig(policy=policy, sweep_interval=4),
                        admin=AdminConfig(token=TOKEN, enable_faults=True), limits=ServeLimits(**limits))
 
 

@@ -224,3 +224,37 @@ def test_drain_answers_in_flight_then_refuses():
         assert [r.status_code for r in slow] == [503] * 8 and "shutting down" in slow[0].json()["error"]["message"]
         assert late.status_code == 503 and health.status_code == 503 and health.json()["status"] == "draining"
         assert not service.live and not service.engine.requests
+
+
+def test_recompute_streams_only_fault_free_tokens():
+    """Under the recompute policy a slot flipped while streams run is caught and the readers are
+    re-prefilled: every token any stream ever emitted equals the fault-free run's, in order."""
+    from kvcanary.config import Policy
+
+    prompts = [f"stream {i}: the canary sings of KV" for i in range(4)]
+
+    def stream_all(base: str) -> list[str]:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def one(p: str) -> str:
+            aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+            chunks = await aclient.completions.create(model="kv-canary-reference", prompt=p, max_tokens=40,
+                                                      stream=True)
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert client.models.list().data[0].id == "kv-canary-reference"
+        return asyncio.run(main())
+
+    with served(serve_config()) as (base, _):
+        clean = stream_all(base)
+    with served(serve_config(Policy.RECOMPUTE)) as (base, app):
+        r = httpx.post(f"{base}/canary/faults/used_slot_flip", json={"seed": 5, "warmup_steps": 3}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        recovered = stream_all(base)
+        service = app.state.service
+        injections = service.injections()
+        assert injections and service.canary.totals.violations > 0 and service.canary.totals.recomputed_requests > 0
+    assert recovered == clean

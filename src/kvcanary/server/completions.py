@@ -182,12 +182,14 @@ def completions_router(service: EngineService) -> APIRouter:
         check_ids(ids)
         return _Prepared(ids, max_tokens, [None])
 
-    async def generate(request: Request, prep: _Prepared, cid: str, stream) -> object:
+    async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
+        """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
         client_ids = [cid] if len(prep.ids) == 1 else [f"{cid}.{i}" for i in range(len(prep.ids))]
         gens = await service.submit(prep.ids, prep.max_tokens, client_ids)
         waiter = _Waiter(request, gens, limits.request_timeout_s)
-        if stream is not None:
-            return _EventStream(stream(gens, waiter), lambda: _end(gens, waiter))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(stream_chunks(gens, waiter, chunk, prep, include_usage), lambda: _end(gens, waiter))
         try:
             while not all(g.is_done for g in gens):
                 await waiter.next()
@@ -271,10 +273,7 @@ def completions_router(service: EngineService) -> APIRouter:
             return {"id": cid, "object": "text_completion", "created": created, "model": name,
                     "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}]}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = (lambda gens, waiter: stream_chunks(gens, waiter, chunk, prep, include_usage)) if req.stream \
-            else None
-        out = await generate(request, prep, cid, stream)
+        out = await generate(request, req, prep, cid, chunk)
         if req.stream:
             return out
         choices = [{"text": (prep.texts[i] or "") + decode(g.tokens), "index": i, "logprobs": None,
@@ -295,10 +294,7 @@ def completions_router(service: EngineService) -> APIRouter:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = (lambda gens, waiter: stream_chunks(gens, waiter, chunk, prep, include_usage)) if req.stream \
-            else None
-        out = await generate(request, prep, cid, stream)
+        out = await generate(request, req, prep, cid, chunk)
         if req.stream:
             return out
         g = out[0]
