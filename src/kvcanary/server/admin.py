@@ -16,9 +16,10 @@ fingerprints, stored and expected values) is shown only with the token (``null``
 "*": fault routes answer 403 unless ``AdminConfig.enable_faults`` was set at start-up. Errors
 are OpenAI-shaped JSON (``kvcanary.server.errors``) once ``install_error_handlers(app)`` ran.
 
-Every route is ``async``: it hands its work to ``AdminTarget.run``, which by default runs it on a
-worker thread with the target's lock held, and which the served engine routes to its engine
-thread between steps, so an admin read waits for at most one step and never for a generation.
+Every route is ``async``: it hands its work to ``AdminTarget.run`` (``read`` for status and
+metrics), which by default runs it on a worker thread with the target's lock held. The served
+engine runs ``run`` on its engine thread between steps and ``read`` at once on the event loop, so
+status and metrics never wait for a step, let alone a generation.
 
 An engine lends the routes an ``AdminTarget``: its canary, the lock it holds while it steps, and
 optional hooks (idle cached runs to sweep, slot owners, fault injection, recovery). It feeds
@@ -83,6 +84,11 @@ class AdminTarget:
             with self.lock:
                 return fn()
         return await anyio.to_thread.run_sync(locked)
+
+    async def read(self, fn: Callable):
+        """Run the read-only ``fn()`` (status, metrics); default: like ``run``. An engine whose
+        admin state can be read while it steps may run it at once, on the event loop."""
+        return await self.run(fn)
 
     @property
     def step_index(self) -> int:
@@ -285,12 +291,12 @@ class CanaryAdmin:
     def router(self, include_metrics: bool = True) -> APIRouter:
         """The routes of the module table; ``include_metrics=False`` leaves ``/metrics`` to the host app."""
         r = APIRouter()
-        run = self.target.run
+        run, read = self.target.run, self.target.read
 
         @r.get("/canary/status")
         async def status(authorization: Auth = None) -> dict:
             reveal = self.is_authorized(authorization)
-            return await run(lambda: self.status(reveal))
+            return await read(lambda: self.status(reveal))
 
         @r.get("/canary/violations")
         async def violations(since: Annotated[int, Query(ge=0, description="first violation id (the 'next' of "
@@ -326,7 +332,7 @@ class CanaryAdmin:
         if include_metrics:
             @r.get("/metrics")
             async def metrics() -> Response:
-                return Response(await run(lambda: generate_latest(self.registry)), media_type=CONTENT_TYPE_LATEST)
+                return Response(await read(lambda: generate_latest(self.registry)), media_type=CONTENT_TYPE_LATEST)
 
         return r
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import EngineConfig, ModelConfig
@@ -41,6 +42,7 @@ from kvcanary.errors import CanaryViolation, KVCanaryError
 from kvcanary.faults import FAULTS, Fault
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import Canary, Recovery, WatchdogTimeout
+from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.sweep import SweepRun
 from kvcanary.server.access import AccessConfig
 from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin
@@ -145,8 +147,10 @@ class EngineService(AdminTarget):
         super().__init__(hooks.canary, threading.RLock())
         self.limits = config.limits
         self.metrics = EngineMetrics(self)
-        self.admin = CanaryAdmin(self, config.admin)
-        self.admin.registry.register(self.metrics)
+        registry = CollectorRegistry()
+        registry.register(CanaryCollector(self.canaries()))  # read on the event loop, see ``read``
+        registry.register(self.metrics)
+        self.admin = CanaryAdmin(self, config.admin, registry)
         self.error: str | None = None
         self.draining = False
         self.live: dict[int, Generation] = {}  # engine id -> handle, while it runs
@@ -218,6 +222,12 @@ class EngineService(AdminTarget):
     async def run(self, fn: Callable):
         return await asyncio.wrap_future(self.call(fn))
 
+    async def read(self, fn: Callable):
+        """Status and metrics read at once, on the event loop, while the engine steps: the engine
+        thread only ever replaces or appends what they read (totals, counter snapshots, deques),
+        so a read sees each value whole; it may see a step half accounted (one counter ahead)."""
+        return fn()
+
     @staticmethod
     def _run_command(fn: Callable, fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -248,9 +258,8 @@ class EngineService(AdminTarget):
         try:
             result = self.engine.step()
         except (CanaryViolation, WatchdogTimeout) as e:
+            self.admin.log.add(getattr(e, "violations", []), self.names)  # first: kept before clients hear
             self._stopped(str(e))
-            for v in getattr(e, "violations", []):
-                self.admin.log.add([v], self.names)
             log.error("kv_canary server: engine stopped: %s", e)
             return
         except Exception as e:  # the engine thread must not die silently
