@@ -5,6 +5,7 @@ engine thread runs while the app runs (its lifespan)."""
 from __future__ import annotations
 
 import re
+import sys
 import uuid
 from contextlib import asynccontextmanager
 
@@ -82,6 +83,9 @@ def run_server(config: ServeConfig, host: str, port: int, announce=None) -> None
     clean 503, and the process exits 0. ``announce(app)`` runs before it binds."""
     import uvicorn
 
+    # The engine thread is busy Python between its torch calls; a 1 ms GIL switch interval (5 ms by
+    # default) lets the event loop answer /metrics and the admin routes promptly under load.
+    sys.setswitchinterval(0.001)
     app = build_app(config)
     if announce is not None:
         announce(app)
