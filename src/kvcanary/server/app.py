@@ -4,6 +4,7 @@ engine thread runs while the app runs (its lifespan)."""
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import uuid
@@ -89,6 +90,8 @@ def run_server(config: ServeConfig, host: str, port: int, announce=None) -> None
     app = build_app(config)
     if announce is not None:
         announce(app)
+    gc.collect()
+    gc.freeze()  # the model, pool and modules: never garbage, so full collections under load skip them
     service: EngineService = app.state.service
     drain_s = config.limits.drain_s
 
