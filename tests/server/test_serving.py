@@ -258,3 +258,20 @@ def test_recompute_streams_only_fault_free_tokens():
         injections = service.injections()
         assert injections and service.canary.totals.violations > 0 and service.canary.totals.recomputed_requests > 0
     assert recovered == clean
+
+
+def test_step_reports_stay_bounded_once_the_admin_log_has_them():
+    from kvcanary.core.record import LaunchPoint, LaunchTag, Reason
+    from kvcanary.runtime.canary import StepReport
+    from kvcanary.runtime.reporting import Violation
+    from kvcanary.server.service import EngineService
+
+    service = EngineService(serve_config())
+    for step in range(600):
+        v = Violation(step, LaunchTag(LaunchPoint.HEAD), Reason.CHAIN, 5, 1, 2, 3, 4, 5)
+        service.hooks.reports.append(StepReport(step, [v]))
+        service.fault_hooks._num_reports = len(service.hooks.reports)  # as the fault hooks do in a step
+        service._feed_admin()
+    assert len(service.hooks.reports) <= 256 and service.admin.log.next_id == 600
+    assert service.fault_hooks._num_reports == len(service.hooks.reports)
+    assert [r["step"] for r in service.admin.log.last(2)] == [598, 599]

@@ -185,7 +185,7 @@ def completions_router(service: EngineService) -> APIRouter:
     async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
         """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
         client_ids = [cid] if len(prep.ids) == 1 else [f"{cid}.{i}" for i in range(len(prep.ids))]
-        gens = await service.submit(prep.ids, prep.max_tokens, client_ids)
+        gens = await service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream)
         waiter = _Waiter(request, gens, limits.request_timeout_s)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -50,6 +50,7 @@ from kvcanary.server.engine_metrics import EngineMetrics
 from kvcanary.server.errors import ApiError
 
 log = logging.getLogger("kvcanary.server")
+_KEEP_REPORTS = 256  # step reports with violations kept by the canary hooks (the admin log keeps more)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,12 @@ class ServeConfig:
 class Generation:
     """One prompt's generation as a route sees it. The engine thread appends ``tokens`` (checked,
     final tokens), sets ``finish_reason`` or ``error``, then sets ``changed`` (an ``asyncio.Event``
-    shared by the generations of one request) on the route's event loop."""
+    shared by the generations of one request) on the route's event loop: at every new token when
+    ``stream``, else only when it ends."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event, client_id: str, prompt_len: int,
-                 max_tokens: int):
-        self.loop, self.changed = loop, changed
+                 max_tokens: int, stream: bool = False):
+        self.loop, self.changed, self.stream = loop, changed, stream
         self.client_id, self.prompt_len, self.max_tokens = client_id, prompt_len, max_tokens
         self.engine_id = -1
         self.tokens: list[int] = []
@@ -294,7 +296,7 @@ class EngineService(AdminTarget):
                 gen.first_token_at = time.monotonic()
             gen.tokens.extend(out[n:])
             self.metrics.generation_tokens.inc(len(out) - n)
-            if req.status is not RequestStatus.FINISHED:
+            if gen.stream and req.status is not RequestStatus.FINISHED:
                 gen._notify()
         if req.status is RequestStatus.FINISHED and not gen._behind:
             self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
@@ -326,16 +328,23 @@ class EngineService(AdminTarget):
         for r in reports[self._reports_seen:]:
             self.admin.record(r)
         self._reports_seen = len(reports)
+        if len(reports) > _KEEP_REPORTS:  # the admin log holds them now; the faults have read them too
+            n = len(reports) - _KEEP_REPORTS
+            del reports[:n]
+            self._reports_seen -= n
+            self.fault_hooks._num_reports = max(self.fault_hooks._num_reports - n, 0)
 
     # --- requests ----------------------------------------------------------------------------------
 
-    async def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int, client_ids: Sequence[str]
-                     ) -> list[Generation]:
+    async def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int, client_ids: Sequence[str],
+                     stream: bool = False) -> list[Generation]:
         """Queue ``prompts`` (token ids) for ``max_tokens`` each, named ``client_ids[i]`` in
-        violations and incidents. Raises ApiError: 400 for a request the engine refuses, 429 when
-        the queue is full, 503 when the engine stopped or the server drains."""
+        violations and incidents; ``stream``: wake the route at every token. Raises ApiError:
+        400 for a request the engine refuses, 429 when the queue is full, 503 when the engine
+        stopped or the server drains."""
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
-        gens = [Generation(loop, changed, cid, len(p), max_tokens) for p, cid in zip(prompts, client_ids, strict=True)]
+        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream)
+                for p, cid in zip(prompts, client_ids, strict=True)]
 
         def add() -> None:
             if self.error is not None:
