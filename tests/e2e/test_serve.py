@@ -135,3 +135,46 @@ def test_openai_client_and_prometheus_see_an_injected_fault(stack):
     first = violations[0]["fields"]
     assert (first["tag"], first["reason"], first["slot"]) == ("TAIL.FULL.K", "fingerprint", injections[0]["slot"])
     assert violations[0]["logger"] == "kvcanary" and violations[0]["level"] == "WARNING"
+
+
+def test_sigterm_under_load_drains_then_exits_0(tmp_path):
+    """SIGTERM with 24 long requests in flight: a short one finishes, the rest are answered 503
+    with a JSON error after the drain, and the process exits 0 within 10 s of the signal."""
+    import asyncio
+
+    port, log = _free_port(), tmp_path / "server.log"
+    proc = _start([sys.executable, "-m", "kvcanary", "serve", "--port", str(port), "--drain-timeout", "1",
+                   "--max-ctx", "1024"], log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait("kv-canary serve", lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 90, proc, log)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+                body = lambda i, n: {"prompt": f"request {i}", "max_tokens": n}
+                tasks = [asyncio.create_task(c.post("/v1/completions", json=body(i, 900))) for i in range(24)]
+                short = asyncio.create_task(c.post("/v1/completions", json=body(99, 2)))
+                await asyncio.sleep(1.0)
+                t0 = time.monotonic()
+                proc.terminate()
+                answers = await asyncio.gather(short, *tasks, return_exceptions=True)
+                code = await asyncio.to_thread(proc.wait, 20)
+                return answers, code, time.monotonic() - t0
+
+        answers, code, took = asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    assert code == 0 and took < 10, (code, took, log.read_text()[-2000:])
+    assert answers[0].status_code == 200
+    statuses = [a.status_code for a in answers[1:]]
+    assert set(statuses) <= {200, 503} and statuses.count(503) >= 1, statuses
+    refused = [a.json()["error"] for a in answers[1:] if a.status_code == 503]
+    assert all(e["type"] == "unavailable_error" and "shutting down" in e["message"] for e in refused)
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    out = subprocess.run([sys.executable, "-m", "kvcanary", "serve", "--host", "0.0.0.0", "--port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    text = " ".join(out.stderr.replace("\u2502", " ").split())  # the message as one line, without its box
+    assert out.returncode == 2 and "without --admin-token" in text and "--allow-no-token" in text, text

@@ -17,7 +17,7 @@ from kvcanary.faults.base import flip_bit
 from kvcanary.runtime.canary import Canary, PoolGeometry
 from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin, ViolationLog, admin_app
 from kvcanary.server.app import build_app
-from kvcanary.server.service import ServeConfig
+from kvcanary.server.service import ServeConfig, ServeLimits
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -26,8 +26,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def _client(token: str | None = TOKEN, faults: bool = True, policy: Policy = Policy.LOG):
     config = ServeConfig(engine=EngineConfig(num_slots=512, max_ctx=256, chunk_size=32, host_tier_slots=256),
                          canary=CanaryConfig(policy=policy, sweep_interval=4),
-                         admin=AdminConfig(token=token, enable_faults=faults), request_timeout_s=60)
-    return TestClient(build_app(config))
+                         admin=AdminConfig(token=token, enable_faults=faults), limits=ServeLimits(request_timeout_s=60))
+    return TestClient(build_app(config), base_url="http://127.0.0.1:8000")
 
 
 @pytest.fixture
@@ -84,25 +84,26 @@ def test_completions_text_and_token_ids(client):
     ({"prompt": []}, 400, "prompt: must not be empty"),
     ({"prompt": [3, 999]}, 400, "token ids in [0, 256)"),
     ({"prompt": "x" * 300, "max_tokens": 4}, 400, "exceeds max_ctx (256)"),
-    ({"prompt": "hi", "stream": True}, 400, "stream"),
     ({"prompt": "hi", "n": 2}, 400, "only n=1"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens: must be an int >= 1"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens: must be an int in [1, 1024], got 0"),
+    ({"prompt": "hi", "max_tokens": 1025}, 400, "max_tokens: must be an int in [1, 1024], got 1025"),
+    ({"prompt": ["a"] * 17}, 400, "17 prompts in one request exceed the cap of 16"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "'gpt-9' is not served here"),
-    ({"max_tokens": 3}, 422, "body.prompt"),
+    ({"max_tokens": 3}, 400, "prompt: Field required"),
 ])
 def test_completions_bad_input_is_4xx_json(client, body, status, fragment):
     _error(client.post("/v1/completions", json=body), status, fragment)
 
 
 def test_sweep_needs_the_token(client):
-    _error(client.post("/canary/sweep"), 401, "needs a bearer token")
-    _error(client.post("/canary/sweep", headers={"Authorization": "Bearer nope"}), 401, "not the one")
-    _error(client.post("/canary/sweep", headers={"Authorization": TOKEN}), 401, "needs a bearer token")
+    _error(client.post("/canary/sweep", json={}), 401, "needs a bearer token")
+    _error(client.post("/canary/sweep", json={}, headers={"Authorization": "Bearer nope"}), 401, "not the one")
+    _error(client.post("/canary/sweep", json={}, headers={"Authorization": TOKEN}), 401, "needs a bearer token")
 
 
 def test_sweep_clean_verifies_every_cached_slot(client):
     _complete(client, _prompts(3, 2))
-    r = client.post("/canary/sweep", headers=AUTH)
+    r = client.post("/canary/sweep", json={}, headers=AUTH)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["cached_slots"] > 0 and out["verified_slots"] == out["cached_slots"] and out["violations"] == []
@@ -115,7 +116,7 @@ def test_sweep_finds_a_flipped_idle_cached_slot(client):
         runs = service.sweep_runs()
         slot = int(runs[0].slots[len(runs[0].slots) // 2])
         flip_bit(service.engine, 0, Half.K, slot, 0, 1)  # inside the fingerprinted first 16 bytes of layer 0 K
-    out = client.post("/canary/sweep", headers=AUTH).json()
+    out = client.post("/canary/sweep", json={}, headers=AUTH).json()
     assert [(v["slot"], v["reasons"], v["launch_point"]) for v in out["violations"]] == [
         (slot, ["fingerprint"], "SWEEP")]
     rows = client.get("/canary/violations").json()["violations"]
@@ -134,7 +135,7 @@ def test_slot_route_decodes_the_record_and_owners(client):
     with service.lock:
         run = service.sweep_runs()[0]
         slot, position, token = int(run.slots[0]), run.start_position, run.token_ids[0]
-    out = client.get(f"/canary/slots/{slot}").json()
+    out = client.get(f"/canary/slots/{slot}", headers=AUTH).json()
     assert out["stamped"] and out["token"] == token and out["position"] == position and not out["reserved"]
     assert out["chain"].startswith("0x") and len(out["chain"]) == 18
     assert {"prefix_cache": True, "position": position, "locks": 0} in out["owners"]
@@ -145,9 +146,9 @@ def test_slot_route_decodes_the_record_and_owners(client):
 @pytest.mark.parametrize(("path", "status", "fragment"), [
     ("/canary/slots/512", 404, "outside the pool's slots [0, 512)"),
     ("/canary/slots/-1", 404, "slot -1 is outside"),
-    ("/canary/slots/abc", 422, "path.slot"),
-    ("/canary/violations?since=-1", 422, "query.since"),
-    ("/canary/violations?limit=0", 422, "query.limit"),
+    ("/canary/slots/abc", 400, "slot: Input should be a valid integer"),
+    ("/canary/violations?since=-1", 400, "since: Input should be greater than or equal to 0"),
+    ("/canary/violations?limit=0", 400, "limit: Input should be greater than or equal to 1"),
     ("/canary/nothing", 404, "Not Found"),
 ])
 def test_bad_admin_requests_are_4xx_json(client, path, status, fragment):
@@ -166,7 +167,11 @@ def test_fault_routes_refused_when_not_enabled():
     ("no_such_fault", {}, 404, "unknown fault kind 'no_such_fault'"),
     ("used_slot_flip", {"probability": 2.0}, 400, "probability must be in [0, 1]"),
     ("used_slot_flip", {"warmup_steps": -3}, 400, "warmup_steps must be an int >= 0"),
-    ("used_slot_flip", {"colour": "red"}, 400, "colour"),
+    ("used_slot_flip", {"colour": "red"}, 400, "unknown parameter 'colour'"),
+    ("position_skew", {"offset": "x"}, 400, "offset must be int, got 'x'"),
+    ("position_skew", {"offset": True}, 400, "offset must be int, got True"),
+    ("used_slot_flip", {"probability": "1"}, 400, "probability must be float"),
+    ("position_skew", {"request_id": 1.5}, 400, "request_id must be int or None"),
 ])
 def test_fault_injection_bad_requests(client, kind, body, status, fragment):
     headers = AUTH if body is not None else {}
@@ -201,13 +206,13 @@ def test_metrics_route_exposes_every_counter(client):
 
 def test_no_token_configured_lets_sweeps_through():
     with _client(token=None, faults=False) as c:
-        assert c.post("/canary/sweep").status_code == 200
+        assert c.post("/canary/sweep", json={}).status_code == 200
         assert c.get("/canary/status").json()["admin"]["auth"] is False
 
 
 def test_sweep_with_the_canary_off_is_409():
     with _client(policy=Policy.OFF) as c:
-        _error(c.post("/canary/sweep", headers=AUTH), 409, "the canary is off")
+        _error(c.post("/canary/sweep", json={}, headers=AUTH), 409, "the canary is off")
 
 
 def test_raise_policy_stops_the_engine_and_fails_requests_with_503():
@@ -227,7 +232,7 @@ def test_admin_served_alone_on_a_bare_canary():
     admin = CanaryAdmin(AdminTarget(canary, threading.RLock()), AdminConfig())
     with TestClient(admin_app(admin)) as c:
         assert c.get("/canary/status").json()["totals"]["steps"] == 0
-        assert c.post("/canary/sweep").json()["verified_slots"] == 0
+        assert c.post("/canary/sweep", json={}).json()["verified_slots"] == 0
         assert c.get("/canary/slots/3").json()["owners"] is None
         _error(c.get("/canary/slots/64"), 404, "[0, 64)")
         assert "kvcanary_stamped_slots_total 0.0" in c.get("/metrics").text
@@ -251,3 +256,56 @@ def test_admin_config_validates():
         AdminConfig(token=" ")
     with pytest.raises(ValueError, match="AdminConfig.history must be an int >= 1"):
         AdminConfig(history=0)
+
+
+def test_cached_content_needs_the_token(client):
+    """Token ids, chains and fingerprints of a slot, and the stored/expected values of a violation,
+    are shown only with the token: scanning the slots must not rebuild another client's prompt."""
+    prompt = _prompts(1, 11)[0]
+    _complete(client, [prompt], 4)
+    service = client.app.state.service
+    with service.lock:
+        run = service.sweep_runs()[0]
+        slot = int(run.slots[len(run.slots) // 2])
+        flip_bit(service.engine, 0, Half.K, slot, 0, 1)
+    assert client.post("/canary/sweep", json={}, headers=AUTH).json()["violations"]
+    open_view = client.get(f"/canary/slots/{slot}").json()
+    full = client.get(f"/canary/slots/{slot}", headers=AUTH).json()
+    assert (open_view["token"], open_view["chain"], open_view["fingerprint"], open_view["content_shown"]) == (
+        None, None, None, False)
+    assert full["token"] == run.token_ids[len(run.slots) // 2] and full["chain"].startswith("0x")
+    assert full["content_shown"]
+    assert open_view["position"] == full["position"] and open_view["stamped"]
+    for path in ("/canary/violations", "/canary/status"):
+        key = "violations" if path.endswith("violations") else "last_violations"
+        hidden, shown = client.get(path).json()[key][0], client.get(path, headers=AUTH).json()[key][0]
+        assert [hidden[k] for k in ("token", "expected_token", "stored_value", "expected_value")] == [None] * 4
+        assert shown["token"] is not None and shown["stored_value"] is not None
+        assert hidden["slot"] == shown["slot"] == slot
+    wrong = client.get(f"/canary/slots/{slot}", headers={"Authorization": "Bearer nope"}).json()
+    assert wrong["token"] is None
+
+
+def test_sweep_counters_agree_everywhere(caplog):
+    """/metrics, /canary/status and the stats line count the same sweeps (load-back checks, which
+    also launch at SWEEP, are not sweeps), after enough traffic to evict and load back."""
+    import logging
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = ServeConfig(engine=EngineConfig(num_slots=96, max_ctx=64, chunk_size=16, host_tier_slots=256),
+                         canary=CanaryConfig(sweep_interval=2, stats_period=1))
+    with caplog.at_level(logging.INFO, logger="kvcanary"), \
+            TestClient(build_app(config), base_url="http://127.0.0.1") as c:
+        for seed in (20, 21, 22, 20, 21):  # later rounds evict earlier ones to the host tier; repeats load back
+            _complete(c, _prompts(3, seed), 6)
+        status = c.get("/canary/status").json()
+        metrics = {s.name: s.value for f in text_string_to_metric_families(c.get("/metrics").text) for s in f.samples}
+        stats = c.app.state.service.engine.stats
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary stats:")]
+    from kvcanary.runtime.reporting import STATS_RE
+
+    last = STATS_RE.match(lines[-1])
+    assert stats.num_loaded_slots > 0, "the workload must load slots back for the counts to differ"
+    assert status["counters"]["SWEEP"]["launches"] > status["totals"]["sweeps"] > 0
+    assert int(last["sweeps"]) == status["totals"]["sweeps"] == metrics["kvcanary_sweeps_total"]

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from kvcanary.ops._common import cdiv, tl, triton
+from kvcanary.ops.backend import cdiv, tl, triton
 
 LOG2E = 1.4426950408889634
 

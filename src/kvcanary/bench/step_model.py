@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcanary.bench.paged_attention import DecodeAttention, paged_attention_torch, prefill_attention
-from kvcanary.ops._common import cdiv, tl, triton
+from kvcanary.ops.backend import cdiv, tl, triton
 
 
 @dataclass(frozen=True)

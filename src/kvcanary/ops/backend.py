@@ -4,6 +4,6 @@ kernels written outside ``ops`` (a stub ``triton.jit`` where Triton is absent)."
 
 from __future__ import annotations
 
-from kvcanary.ops._common import HAS_TRITON, Backend, tl, triton, use_triton
+from kvcanary.ops._common import HAS_TRITON, Backend, cdiv, tl, triton, use_triton
 
-__all__ = ["HAS_TRITON", "Backend", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "Backend", "cdiv", "tl", "triton", "use_triton"]

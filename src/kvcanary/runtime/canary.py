@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -127,6 +127,7 @@ class Canary:
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.incidents = IncidentTracker()
+        self.request_names: Mapping[int, str] = {}  # engine request id -> the client's id, for the lines
         self.host_rows: torch.Tensor | None = None
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
@@ -392,7 +393,7 @@ class Canary:
                 t.by_reason[name] += 1
                 t.by_label[name, v.point.name, v.tag.pool.name] += 1
             report.incidents += opened
-            log.log(logging.WARNING if opened else logging.DEBUG, v.line())
+            log.log(logging.WARNING if opened else logging.DEBUG, v.line(self.request_names))
         for a in report.alarms:
             t.watchdog_alarms += 1
             log.error(a.line())
@@ -440,5 +441,5 @@ class Canary:
         c = self.counters()
         verified = sum(c[p.name]["checked"] for p in LaunchPoint)
         return (f"kv_canary stats: step={step} protected_tokens={c['HEAD']['stamped']} verified_slots={verified} "
-                f"sweeps={c['SWEEP']['launches']} violations={self.totals.violations} dropped={c['dropped']} "
+                f"sweeps={self.totals.sweeps} violations={self.totals.violations} dropped={c['dropped']} "
                 f"plan_overflows={c['plan_overflows']}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +71,10 @@ class Violation:
     def requests(self) -> tuple:
         return tuple(r for r, _ in self.owners if r != "cache")
 
-    def line(self) -> str:
-        owners = ",".join(f"{r}@{p}" for r, p in self.owners)
+    def line(self, names: Mapping | None = None) -> str:
+        """The frozen violation line; ``names`` (request id -> client id) names its requests."""
+        names = names or {}
+        owners = ",".join(f"{names.get(r, r)}@{p}" for r, p in self.owners)
         return (f"kv_canary violation: step={self.step} tag={self.tag} reason={format_reasons(self.reasons)} "
                 f"slot={self.slot} position={self.position} token={self.token} "
                 f"expected_token={self.expected_token} stored=0x{self.stored_value & (2**64 - 1):016x} "

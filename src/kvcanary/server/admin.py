@@ -1,20 +1,26 @@
 """The canary's admin routes: a FastAPI router any engine can mount, or serve alone.
 
-| route                         | auth | answer                                                        |
-|-------------------------------|------|---------------------------------------------------------------|
-| GET  /canary/status           |      | config, totals, device counters, last violations, watchdog    |
-| GET  /canary/violations       |      | violations with id >= ``since`` (at most ``limit``), ``next`` |
-| GET  /canary/incidents        |      | incident totals, the open incidents and the first ``limit``    |
-| POST /canary/sweep            | yes  | sweep every idle cached slot now; what it verified and found  |
-| GET  /canary/slots/{slot}     |      | the slot's decoded record and its owners, if known            |
-| GET  /canary/faults           | yes* | fault kinds and injections so far                             |
-| POST /canary/faults/{kind}    | yes* | inject a fault (body: probability, seed, warmup_steps, ...)   |
-| GET  /metrics                 |      | Prometheus text exposition of the registry                    |
+| route                         | auth    | answer                                                        |
+|-------------------------------|---------|---------------------------------------------------------------|
+| GET  /canary/status           | content | config, totals, device counters, last violations, watchdog    |
+| GET  /canary/violations       | content | violations with id >= ``since`` (at most ``limit``), ``next`` |
+| GET  /canary/incidents        | content | incident totals, the open incidents and the first ``limit``   |
+| POST /canary/sweep            | yes     | sweep every idle cached slot now; what it verified and found  |
+| GET  /canary/slots/{slot}     | content | the slot's decoded record and its owners, if known            |
+| GET  /canary/faults           | yes*    | fault kinds and injections so far                             |
+| POST /canary/faults/{kind}    | yes*    | inject a fault (body: probability, seed, warmup_steps, ...)   |
+| GET  /metrics                 |         | Prometheus text exposition of the registry                    |
 
-"auth": with ``AdminConfig.token`` set, the route needs ``Authorization: Bearer <token>`` (401
-without it or with another). "*": fault routes answer 403 unless ``AdminConfig.enable_faults``
-was set at start-up. Errors are JSON, ``{"error": {"message", "type", "code"}}`` once
-``install_error_handlers(app)`` ran (``{"detail": message}`` in a host app without them).
+"auth", with ``AdminConfig.token`` set: "yes": the route needs ``Authorization: Bearer <token>``
+(401 without it or with another); "content": open, but cached content (token ids, chains,
+fingerprints, stored and expected values) is shown only with the token (``null`` without).
+"*": fault routes answer 403 unless ``AdminConfig.enable_faults`` was set at start-up. Errors
+are OpenAI-shaped JSON (``kvcanary.server.errors``) once ``install_error_handlers(app)`` ran.
+
+Every route is ``async``: it hands its work to ``AdminTarget.run`` (``read`` for status and
+metrics), which by default runs it on a worker thread with the target's lock held. The served
+engine runs ``run`` on its engine thread between steps and ``read`` at once on the event loop, so
+status and metrics never wait for a step, let alone a generation.
 
 An engine lends the routes an ``AdminTarget``: its canary, the lock it holds while it steps, and
 optional hooks (idle cached runs to sweep, slot owners, fault injection, recovery). It feeds
@@ -26,13 +32,13 @@ from __future__ import annotations
 import hmac
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import APIRouter, Body, FastAPI, Header, HTTPException, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+import anyio
+from fastapi import APIRouter, Body, FastAPI, Header, Path, Query
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvcanary.core.record import CHAIN, FINGERPRINT, PAD_SLOT, POSITION, TOKEN, LaunchPoint, record_words
@@ -42,13 +48,19 @@ from kvcanary.runtime.incidents import incidents_report
 from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.reporting import StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun
+from kvcanary.server.errors import ApiError, error_body, install_error_handlers
+
+__all__ = ["AdminConfig", "AdminTarget", "CanaryAdmin", "ViolationLog", "admin_app", "error_body",
+           "install_error_handlers"]
+
+CONTENT_FIELDS = ("token", "expected_token", "stored_value", "expected_value")  # of a violation row
 
 
 @dataclass(frozen=True)
 class AdminConfig:
-    """``token``: bearer token the mutating routes require (None: none). ``enable_faults``: serve
-    the fault-injection routes (refused otherwise). ``history``: violations kept for
-    ``/canary/violations`` (older ones are dropped and counted)."""
+    """``token``: bearer token of the mutating routes and of cached content (None: none).
+    ``enable_faults``: serve the fault-injection routes (refused otherwise). ``history``:
+    violations kept for ``/canary/violations`` (older ones are dropped and counted)."""
 
     token: str | None = None
     enable_faults: bool = False
@@ -67,6 +79,18 @@ class AdminTarget:
 
     def __init__(self, canary: Canary, lock: threading.RLock):
         self.canary, self.lock = canary, lock
+
+    async def run(self, fn: Callable):
+        """Run ``fn()`` with ``lock`` held, off the event loop; returns its result."""
+        def locked():
+            with self.lock:
+                return fn()
+        return await anyio.to_thread.run_sync(locked)
+
+    async def read(self, fn: Callable):
+        """Run the read-only ``fn()`` (status, metrics); default: like ``run``. An engine whose
+        admin state can be read while it steps may run it at once, on the event loop."""
+        return await self.run(fn)
 
     @property
     def step_index(self) -> int:
@@ -110,10 +134,15 @@ class ViolationLog:
         self._lock = threading.Lock()
         self.next_id = 0
 
-    def add(self, violations: Sequence[Violation]) -> None:
+    def add(self, violations: Sequence[Violation], names: Mapping | None = None) -> None:
+        """Keep ``violations``; ``names`` (engine request id -> client id) names their requests."""
         with self._lock:
             for v in violations:
-                self._rows.append({"id": self.next_id, **v.to_json()})
+                row = {"id": self.next_id, **v.to_json()}
+                if names is not None:
+                    for owner in row["requests"]:
+                        owner["client"] = names.get(owner["request"])
+                self._rows.append(row)
                 self.next_id += 1
 
     def since(self, first_id: int, limit: int) -> tuple[list[dict], int, int]:
@@ -129,16 +158,17 @@ class ViolationLog:
             return list(self._rows)[-n:]
 
 
+def redact(rows: list[dict]) -> list[dict]:
+    """Violation rows without their cached content (token ids, stored and expected values)."""
+    return [{**r, **dict.fromkeys(CONTENT_FIELDS)} for r in rows]
+
+
 Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <token>")]
-
-
-def _error(status: int, message: str) -> HTTPException:
-    return HTTPException(status_code=status, detail=message)
 
 
 class CanaryAdmin:
     """The admin routes of one canary. ``registry``: where ``/metrics`` reads (default: a new
-    registry holding a ``CanaryCollector`` of the target's canary)."""
+    registry holding a ``CanaryCollector`` of the target's canaries)."""
 
     def __init__(self, target: AdminTarget, config: AdminConfig = AdminConfig(),
                  registry: CollectorRegistry | None = None):
@@ -148,190 +178,182 @@ class CanaryAdmin:
             registry.register(CanaryCollector(target.canaries(), lock=target.lock))
         self.registry = registry
         self.log = ViolationLog(config.history)
-        self.alarms: list[dict] = []
+        self.alarms: deque[dict] = deque(maxlen=100)
 
     # --- feeding -------------------------------------------------------------------------------
 
     def record(self, report: StepReport) -> None:
         """Keep the violations and watchdog alarms of a step report."""
-        self.log.add(report.violations)
+        self.log.add(report.violations, getattr(self.target.canary, "request_names", None))
         launches = self.target.canary.counters()
         for a in report.alarms:
             self.alarms.append({"step": report.step, "point": a.point.name, "silent_steps": a.silent_steps,
                                 "window": a.window, "launches": launches[a.point.name]["launches"]})
 
-    # --- route bodies ----------------------------------------------------------------------------
+    # --- route bodies (lock held) -----------------------------------------------------------------
 
-    def status(self) -> dict:
-        with self.target.lock:
-            c = self.target.canary
-            cfg, t, counters = c.config, c.totals, c.counters()
-            silent = sorted({a["point"] for a in self.alarms if counters[a["point"]]["launches"] == a["launches"]})
-            return {
-                "config": {"policy": cfg.policy.value, "real_kv": cfg.real_kv.name.lower(),
-                           "sweep_interval": cfg.sweep_interval, "sweep_budget_bytes": cfg.sweep_budget_bytes,
-                           "truth": cfg.truth, "ring_capacity": cfg.ring_capacity, "stats_period": cfg.stats_period,
-                           "pool": c.pool.name, "num_slots": c.geometry.num_slots, "device": c.geometry.device},
-                "admin": {"auth": self.config.token is not None, "faults_enabled": self.config.enable_faults},
-                "totals": {"steps": t.steps, "forwards": t.forwards, "sweeps": t.sweeps, "violations": t.violations,
-                           "by_reason": dict(t.by_reason), "by_launch_point": dict(t.by_launch_point),
-                           "recomputed_requests": t.recomputed_requests, "watchdog_alarms": t.watchdog_alarms,
-                           "seconds": t.seconds},
-                "counters": counters,
-                "last_violations": self.log.last(10),
-                "watchdog": {"window": cfg.watchdog_steps, "state": "alarm" if silent else "ok",
-                             "silent_points": silent, "alarms": self.alarms[-10:],
-                             "launches": {p.name: counters[p.name]["launches"] for p in LaunchPoint}},
-                "engine": self.target.engine_status(),
-            }
+    def status(self, reveal: bool = True) -> dict:
+        c = self.target.canary
+        cfg, t, counters = c.config, c.totals, c.counters()
+        alarms = list(self.alarms)
+        silent = sorted({a["point"] for a in alarms if counters[a["point"]]["launches"] == a["launches"]})
+        last = self.log.last(10)
+        return {
+            "config": {"policy": cfg.policy.value, "real_kv": cfg.real_kv.name.lower(),
+                       "sweep_interval": cfg.sweep_interval, "sweep_budget_bytes": cfg.sweep_budget_bytes,
+                       "truth": cfg.truth, "ring_capacity": cfg.ring_capacity, "stats_period": cfg.stats_period,
+                       "pool": c.pool.name, "num_slots": c.geometry.num_slots, "device": c.geometry.device},
+            "admin": {"auth": self.config.token is not None, "faults_enabled": self.config.enable_faults},
+            "totals": {"steps": t.steps, "forwards": t.forwards,
+                       "sweeps": sum(x.totals.sweeps for x in self.target.canaries()), "violations": t.violations,
+                       "by_reason": dict(t.by_reason), "by_launch_point": dict(t.by_launch_point),
+                       "recomputed_requests": t.recomputed_requests, "watchdog_alarms": t.watchdog_alarms,
+                       "seconds": t.seconds},
+            "counters": counters,
+            "last_violations": last if reveal else redact(last),
+            "watchdog": {"window": cfg.watchdog_steps, "state": "alarm" if silent else "ok",
+                         "silent_points": silent, "alarms": alarms[-10:],
+                         "launches": {p.name: counters[p.name]["launches"] for p in LaunchPoint}},
+            "engine": self.target.engine_status(),
+        }
 
     def sweep(self) -> dict:
         """Sweep every idle cached run now (up to the sweep plan's capacity) and read the result at
         once: the slots queued, the runs, and the violations found (recorded like any other)."""
         t = self.target
-        with t.lock:
-            c = t.canary
-            if not c.config.enabled:
-                raise _error(409, "the canary is off (policy off); start with another policy to sweep")
-            runs = list(t.sweep_runs())
-            cached = sum(int(r.slots.numel()) for r in runs)
-            n = c.sweep(runs, budget_bytes=max(cached, 1) * c.entry_bytes())
-            owners = {int(s): r.start_position + i for r in runs for i, s in enumerate(r.slots.tolist())}
-            step = t.step_index
-            c.reporter.snapshot(StepMeta(step, sweep_slots=owners))
-            stopped = None
-            try:
-                report = c.flush(step)
-            except CanaryViolation as e:  # raise policy: report it, the engine decides what stops
-                report, stopped = StepReport(step, list(e.violations)), str(e)
-            self.record(report)
-            if report.recovery is not None:
-                t.recover(report.recovery)
-            return {"step": step, "runs": len(runs), "cached_slots": cached, "verified_slots": n,
-                    "violations": [v.to_json() for v in report.violations], "raised": stopped}
+        c = t.canary
+        if not c.config.enabled:
+            raise ApiError(409, "the canary is off (policy off); start with another policy to sweep")
+        runs = list(t.sweep_runs())
+        cached = sum(int(r.slots.numel()) for r in runs)
+        n = c.sweep(runs, budget_bytes=max(cached, 1) * c.entry_bytes())
+        owners = {int(s): r.start_position + i for r in runs for i, s in enumerate(r.slots.tolist())}
+        step = t.step_index
+        c.reporter.snapshot(StepMeta(step, sweep_slots=owners))
+        stopped = None
+        try:
+            report = c.flush(step)
+        except CanaryViolation as e:  # raise policy: report it, the engine decides what stops
+            report, stopped = StepReport(step, list(e.violations)), str(e)
+        self.record(report)
+        if report.recovery is not None:
+            t.recover(report.recovery)
+        return {"step": step, "runs": len(runs), "cached_slots": cached, "verified_slots": n,
+                "violations": [v.to_json() for v in report.violations], "raised": stopped}
 
-    def slot(self, slot: int) -> dict:
-        with self.target.lock:
-            c = self.target.canary
-            n = c.geometry.num_slots
-            if not 0 <= slot < n:
-                raise _error(404, f"slot {slot} is outside the pool's slots [0, {n})")
-            w = [int(x) for x in record_words(c.canary[slot : slot + 1].cpu())[0].tolist()]
-            hexa = lambda x: f"0x{x & (2**64 - 1):016x}"
-            return {"slot": slot, "reserved": slot == PAD_SLOT, "stamped": any(w), "token": w[TOKEN],
-                    "position": w[POSITION], "chain": hexa(w[CHAIN]), "fingerprint": hexa(w[FINGERPRINT]),
-                    "owners": self.target.slot_owners(slot)}
+    def slot(self, slot: int, reveal: bool = True) -> dict:
+        c = self.target.canary
+        n = c.geometry.num_slots
+        if not 0 <= slot < n:
+            raise ApiError(404, f"slot {slot} is outside the pool's slots [0, {n})", "slot")
+        w = [int(x) for x in record_words(c.canary[slot : slot + 1].cpu())[0].tolist()]
+        hexa = lambda x: f"0x{x & (2**64 - 1):016x}" if reveal else None
+        return {"slot": slot, "reserved": slot == PAD_SLOT, "stamped": any(w), "token": w[TOKEN] if reveal else None,
+                "position": w[POSITION], "chain": hexa(w[CHAIN]), "fingerprint": hexa(w[FINGERPRINT]),
+                "owners": self.target.slot_owners(slot), "content_shown": reveal}
 
     def inject(self, kind: str, params: dict) -> dict:
-        with self.target.lock:
-            kinds = self.target.fault_kinds()
-            if kind not in kinds:
-                raise _error(404, f"unknown fault kind {kind!r}; choose from {', '.join(kinds)}")
-            try:
-                return self.target.inject_fault(kind, params)
-            except (ValueError, TypeError) as e:
-                raise _error(400, f"bad parameters for fault {kind!r}: {e}") from None
+        kinds = self.target.fault_kinds()
+        if kind not in kinds:
+            raise ApiError(404, f"unknown fault kind {kind!r}; choose from {', '.join(kinds)}", "kind")
+        try:
+            return self.target.inject_fault(kind, params)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"bad parameters for fault {kind!r}: {e}", "body") from None
 
-    # --- the router ------------------------------------------------------------------------------
+    # --- access ----------------------------------------------------------------------------------
 
-    def _authorize(self, authorization: str | None) -> None:
+    def is_authorized(self, authorization: str | None) -> bool:
+        """True when no token is configured or ``authorization`` carries it."""
         token = self.config.token
         if token is None:
+            return True
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode())
+
+    def authorize(self, authorization: str | None) -> None:
+        """Raise 401 unless ``is_authorized(authorization)``."""
+        if self.is_authorized(authorization):
             return
         if not authorization or not authorization.startswith("Bearer "):
-            raise HTTPException(401, "this route needs a bearer token: send 'Authorization: Bearer <token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode()):
-            raise HTTPException(401, "the bearer token is not the one the server was started with",
-                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+            raise ApiError(401, "this route needs a bearer token: send 'Authorization: Bearer <token>'",
+                           "Authorization", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(401, "the bearer token is not the one the server was started with", "Authorization",
+                       headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
     def _faults_allowed(self, authorization: str | None) -> None:
         if not self.config.enable_faults:
-            raise _error(403, "fault injection is disabled; start the server with fault injection enabled "
-                              "(kv-canary serve --enable-faults)")
-        self._authorize(authorization)
+            raise ApiError(403, "fault injection is disabled; start the server with fault injection enabled "
+                                "(kv-canary serve --enable-faults)")
+        self.authorize(authorization)
+
+    # --- the router ------------------------------------------------------------------------------
+
+    def incidents(self, limit: int, reveal: bool) -> dict:
+        """Incident totals, the open incidents and the first ``limit``; each first violation's
+        cached content only when ``reveal``."""
+        canaries = self.target.canaries()
+        report = incidents_report(canaries, limit)
+        report["open_incidents"] = [i.to_json() for c in canaries for i in c.incidents.open_incidents()][:limit]
+        if not reveal:
+            for key in ("first_incidents", "open_incidents"):
+                report[key] = [{**i, "first_violation": redact([i["first_violation"]])[0]} for i in report[key]]
+        return report
 
     def router(self, include_metrics: bool = True) -> APIRouter:
         """The routes of the module table; ``include_metrics=False`` leaves ``/metrics`` to the host app."""
         r = APIRouter()
+        run, read = self.target.run, self.target.read
 
         @r.get("/canary/status")
-        def status() -> dict:
-            return self.status()
+        async def status(authorization: Auth = None) -> dict:
+            reveal = self.is_authorized(authorization)
+            return await read(lambda: self.status(reveal))
 
         @r.get("/canary/violations")
-        def violations(since: Annotated[int, Query(ge=0, description="first violation id (the 'next' of the "
-                                                   "previous answer)")] = 0,
-                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
+        async def violations(since: Annotated[int, Query(ge=0, description="first violation id (the 'next' of "
+                                                         "the previous answer)")] = 0,
+                             limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                             authorization: Auth = None) -> dict:
             rows, nxt, dropped = self.log.since(since, limit)
-            return {"violations": rows, "next": nxt, "dropped": dropped}
+            return {"violations": rows if self.is_authorized(authorization) else redact(rows), "next": nxt,
+                    "dropped": dropped}
 
         @r.get("/canary/incidents")
-        def incidents(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
-            with self.target.lock:
-                canaries = self.target.canaries()
-                report = incidents_report(canaries, limit)
-                report["open_incidents"] = [i.to_json() for c in canaries for i in c.incidents.open_incidents()][:limit]
-                return report
+        async def incidents(limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                            authorization: Auth = None) -> dict:
+            reveal = self.is_authorized(authorization)
+            return await run(lambda: self.incidents(limit, reveal))
 
         @r.post("/canary/sweep")
-        def sweep(authorization: Auth = None) -> dict:
-            self._authorize(authorization)
-            return self.sweep()
+        async def sweep(authorization: Auth = None) -> dict:
+            self.authorize(authorization)
+            return await run(self.sweep)
 
         @r.get("/canary/slots/{slot}")
-        def slot(slot: Annotated[int, Path(description="slot index in the pool")]) -> dict:
-            return self.slot(slot)
+        async def slot(slot: Annotated[int, Path(description="slot index in the pool")],
+                       authorization: Auth = None) -> dict:
+            reveal = self.is_authorized(authorization)
+            return await run(lambda: self.slot(slot, reveal))
 
         @r.get("/canary/faults")
-        def faults(authorization: Auth = None) -> dict:
+        async def faults(authorization: Auth = None) -> dict:
             self._faults_allowed(authorization)
-            with self.target.lock:
-                return {"kinds": self.target.fault_kinds(), "injections": self.target.injections()}
+            return await run(lambda: {"kinds": self.target.fault_kinds(), "injections": self.target.injections()})
 
         @r.post("/canary/faults/{kind}")
-        def inject(kind: str, authorization: Auth = None,
-                   params: Annotated[dict | None, Body(description="fault parameters")] = None) -> dict:
+        async def inject(kind: str, authorization: Auth = None,
+                         params: Annotated[dict | None, Body(description="fault parameters")] = None) -> dict:
             self._faults_allowed(authorization)
-            return self.inject(kind, params or {})
+            return await run(lambda: self.inject(kind, params or {}))
 
         if include_metrics:
             @r.get("/metrics")
-            def metrics() -> Response:
-                return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+            async def metrics() -> Response:
+                return Response(await read(lambda: generate_latest(self.registry)), media_type=CONTENT_TYPE_LATEST)
 
         return r
-
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          409: "conflict_error", 422: "invalid_request_error", 503: "unavailable_error"}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer HTTP errors and request validation failures with ``error_body`` JSON."""
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        got = first.get("input")
-        message = f"{where}: {first.get('msg', 'invalid')}" + (f" (got {got!r})" if got is not None else "")
-        return JSONResponse(error_body(422, message, where or None), 422)
-
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    @app.exception_handler(StarletteHTTPException)
-    async def route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown routes
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
 
 
 def admin_app(admin: CanaryAdmin) -> FastAPI:

@@ -1,96 +1,321 @@
-"""OpenAI-compatible ``/v1/completions`` (and ``/v1/models``) over an ``EngineService``.
+"""OpenAI-compatible routes over an ``EngineService``: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /health``.
 
 Prompts are text (byte-level tokens, see ``ByteTokenizer``), a list of texts, a list of token
-ids or a list of such lists, as the OpenAI API allows; each becomes one choice. ``max_tokens``
-(default 16) tokens are generated per prompt (the reference model has no end-of-sequence token,
-so ``finish_reason`` is ``length``). Sampling options are accepted and ignored (the engine samples
-greedily); ``n`` must be 1 and ``stream`` false.
+ids or a list of such lists, as the OpenAI API allows; each becomes one choice. Chat messages
+go through ``chat_prompt``. ``max_tokens`` (default 16) tokens are generated per prompt (the
+reference model has no end-of-sequence token, so ``finish_reason`` is ``length``). Sampling
+options are accepted and ignored (the engine samples greedily); ``n`` must be 1. ``stream``
+answers Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]``); an error after the
+stream started arrives as ``data: {"error": ...}`` before ``[DONE]``.
+
+Every route awaits; none holds a thread while its generation runs. A client that disconnects,
+or a request past ``ServeLimits.request_timeout_s`` (504), is aborted in the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Literal
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kvcanary.errors import CapacityError
-from kvcanary.server.service import EngineService, EngineStopped
-from kvcanary.server.tokenizer import ByteTokenizer
+from kvcanary.server.errors import ApiError, AsciiJSONResponse, error_body
+from kvcanary.server.service import EngineService, Generation
+from kvcanary.server.tokenizer import ByteTokenizer, chat_prompt
 
 
-class CompletionRequest(BaseModel):
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # temperature, top_p, ...: accepted, ignored
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
 
 
-def _bad(message: str, status: int = 400) -> HTTPException:
-    return HTTPException(status, message)
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: ignored
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def _encode(tokenizer: ByteTokenizer, text: str, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: contains a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                            f"{e.start}; send valid UTF-8 text", param) from None
+
+
+def request_id(request: Request) -> str:
+    """The client's ``X-Request-Id`` (checked by the app's middleware) or a fresh one."""
+    return request.scope.get("state", {}).get("request_id") or f"cmpl-{uuid.uuid4().hex}"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Waiter:
+    """Waits for the next change of a request's generations, its deadline or its client leaving."""
+
+    def __init__(self, request: Request, gens: Sequence[Generation], timeout_s: float):
+        self.gens, self.timeout_s = gens, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.gone = asyncio.ensure_future(_disconnected(request))
+
+    async def next(self) -> None:
+        """Return after a change; raise ApiError 504 at the deadline and 499 when the client left."""
+        changed = self.gens[0].changed
+        if not changed.is_set():
+            wait = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({wait, self.gone}, timeout=max(self.deadline - time.monotonic(), 0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wait.cancel()
+            if self.gone.done():
+                raise ApiError(499, "the client closed the connection; the request was aborted")
+            if not changed.is_set():
+                raise ApiError(504, f"the request did not finish within {self.timeout_s:g} s "
+                                    "(ServeLimits.request_timeout_s); it was aborted")
+        changed.clear()
+
+    def close(self) -> None:
+        self.gone.cancel()
+
+
+class _Prepared:
+    def __init__(self, ids: list[list[int]], max_tokens: int, texts: list[str | None]):
+        self.ids, self.max_tokens, self.texts = ids, max_tokens, texts
 
 
 def completions_router(service: EngineService) -> APIRouter:
     r = APIRouter()
     name = service.config.model_name
     vocab = service.config.model.vocab_size
+    limits = service.limits
     tokenizer = ByteTokenizer(vocab) if vocab >= 256 else None
 
-    def to_ids(prompt: str | list) -> list[int]:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise _bad(f"prompt: the model's vocabulary ({vocab}) is too small for byte-level text; "
-                           "send token ids")
-            return tokenizer.encode(prompt)
-        return list(prompt)
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
 
-    @r.get("/v1/models")
-    def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kv-canary"}]}
-
-    @r.post("/v1/completions")
-    def completions(req: CompletionRequest) -> dict:
+    def check_common(req: _Sampling, max_tokens: int | None, tokens_param: str) -> int:
         if req.model not in (None, name):
-            raise _bad(f"model {req.model!r} is not served here; this server serves {name!r}", 404)
-        if req.stream:
-            raise _bad("stream: streaming is not supported by the reference server; pass stream=false")
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model")
         if req.n != 1:
-            raise _bad(f"n: only n=1 is supported, got {req.n}")
-        if req.max_tokens is None or req.max_tokens < 1:
-            raise _bad(f"max_tokens: must be an int >= 1, got {req.max_tokens!r}")
-        prompts = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
-            else list(req.prompt)
-        if not prompts:
-            raise _bad("prompt: must not be empty")
-        ids = [to_ids(p) for p in prompts]
+            raise ApiError(400, f"n: only n=1 is supported, got {req.n}", "n")
+        if max_tokens is None or max_tokens < 1 or max_tokens > limits.max_tokens:
+            raise ApiError(400, f"{tokens_param}: must be an int in [1, {limits.max_tokens}], got {max_tokens!r}",
+                           tokens_param)
+        return max_tokens
+
+    def check_ids(ids: list[list[int]]) -> None:
         for i, p in enumerate(ids):
             if not p or not all(0 <= t < vocab for t in p):
-                raise _bad(f"prompt[{i}]: must be non-empty with token ids in [0, {vocab}), got {str(p[:8])[:60]}")
+                raise ApiError(400, f"prompt[{i}]: must be non-empty with token ids in [0, {vocab}), got "
+                                    f"{str(p[:8])[:60]}", "prompt")
+
+    def prepare_completion(req: CompletionRequest) -> _Prepared:
+        max_tokens = check_common(req, req.max_tokens, "max_tokens")
+        single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+        prompts = [req.prompt] if single else list(req.prompt)
+        if not prompts:
+            raise ApiError(400, "prompt: must not be empty", "prompt")
+        if len(prompts) > limits.max_prompts:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts in one request exceed the cap of "
+                                f"{limits.max_prompts} (ServeLimits.max_prompts); split the request", "prompt")
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if tokenizer is None:
+                    raise ApiError(400, f"prompt: the model's vocabulary ({vocab}) is too small for byte-level "
+                                        "text; send token ids", "prompt")
+                ids.append(_encode(tokenizer, p, "prompt"))
+            else:
+                ids.append(list(p))
+        check_ids(ids)
+        return _Prepared(ids, max_tokens, [p if isinstance(p, str) and req.echo else None for p in prompts])
+
+    def prepare_chat(req: ChatRequest) -> _Prepared:
+        max_tokens = check_common(req, req.max_completion_tokens or req.max_tokens, "max_tokens")
+        if not req.messages:
+            raise ApiError(400, "messages: must not be empty", "messages")
+        if tokenizer is None:
+            raise ApiError(400, f"messages: the model's vocabulary ({vocab}) is too small for byte-level text",
+                           "messages")
+        turns = [(m.role, m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
+                 for m in req.messages]
+        ids = [_encode(tokenizer, chat_prompt(turns), "messages")]
+        check_ids(ids)
+        return _Prepared(ids, max_tokens, [None])
+
+    async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
+        """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
+        client_ids = [cid] if len(prep.ids) == 1 else [f"{cid}.{i}" for i in range(len(prep.ids))]
+        gens = await service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream)
+        waiter = _Waiter(request, gens, limits.request_timeout_s)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(stream_chunks(gens, waiter, chunk, prep, include_usage), lambda: _end(gens, waiter))
         try:
-            outputs = service.generate(ids, req.max_tokens)
-        except (ValueError, CapacityError) as e:
-            raise _bad(f"prompt: {e}") from None
-        except EngineStopped as e:
-            raise _bad(str(e), 503) from None
-        except TimeoutError as e:
-            raise _bad(str(e), 504) from None
-        choices = []
-        for i, (p, out) in enumerate(zip(prompts, outputs, strict=True)):
-            text = tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
-            if req.echo and isinstance(p, str):
-                text = p + text
-            choices.append({"text": text, "index": i, "logprobs": None,
-                            "finish_reason": "length" if len(out) >= req.max_tokens else "stop",
-                            "token_ids": out})
-        prompt_tokens, completion_tokens = sum(map(len, ids)), sum(map(len, outputs))
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+            while not all(g.is_done for g in gens):
+                await waiter.next()
+        except ApiError as e:
+            _end(gens, waiter, e)
+            raise
+        except BaseException:  # cancelled (shutdown): the engine must not keep generating
+            _end(gens, waiter)
+            raise
+        waiter.close()
+        for g in gens:
+            if g.error is not None:
+                raise g.error
+        return gens
+
+    def _end(gens, waiter: _Waiter, error: ApiError | None = None) -> None:
+        waiter.close()
+        service.abort(gens, error or ApiError(499, "the client closed the connection; the request was aborted"))
+
+    def usage(prep: _Prepared, gens: Sequence[Generation]) -> dict:
+        prompt_tokens, completion_tokens = sum(map(len, prep.ids)), sum(len(g.tokens) for g in gens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def sse(obj) -> bytes:
+        return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n".encode()
+
+    async def stream_chunks(gens, waiter: _Waiter, chunk, prep: _Prepared, include_usage: bool):
+        """SSE bytes of ``gens``: ``chunk(index, text, finish_reason)`` builds each event."""
+        decoders = [tokenizer.stream_decoder() if tokenizer is not None else None for _ in gens]
+        seen, ended = [0] * len(gens), [False] * len(gens)
+        for i, text in enumerate(prep.texts):
+            if text:
+                yield sse(chunk(i, text, None))
+        try:
+            while True:
+                for i, g in enumerate(gens):
+                    new, seen[i] = g.tokens[seen[i]:], len(g.tokens)
+                    if new:
+                        text = decoders[i].feed(new) if decoders[i] is not None else " ".join(map(str, new)) + " "
+                        if text:
+                            yield sse(chunk(i, text, None))
+                    if g.error is not None:
+                        yield sse(error_body(g.error.status, g.error.message, g.error.param))
+                        yield b"data: [DONE]\n\n"
+                        return
+                    if g.finish_reason is not None and not ended[i] and seen[i] == len(g.tokens):
+                        ended[i] = True
+                        tail = decoders[i].flush() if decoders[i] is not None else ""
+                        yield sse(chunk(i, tail, g.finish_reason))
+                if all(ended):
+                    break
+                await waiter.next()
+        except ApiError as e:
+            yield sse(error_body(e.status, e.message, e.param))
+            yield b"data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield sse({**chunk(0, "", None), "choices": [], "usage": usage(prep, gens)})
+        yield b"data: [DONE]\n\n"
+
+    @r.get("/health")
+    async def health():
+        if service.error is not None:
+            return AsciiJSONResponse({"status": "stopped", "error": service.error}, 503)
+        if service.draining:
+            return AsciiJSONResponse({"status": "draining"}, 503)
+        return {"status": "ok"}
+
+    @r.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kv-canary",
+                                            "max_model_len": service.config.engine.max_ctx}]}
+
+    @r.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        prep = prepare_completion(req)
+        cid, created = request_id(request), int(time.time())
+
+        def chunk(i, text, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                    "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}]}
+
+        out = await generate(request, req, prep, cid, chunk)
+        if req.stream:
+            return out
+        choices = [{"text": (prep.texts[i] or "") + decode(g.tokens), "index": i, "logprobs": None,
+                    "finish_reason": g.finish_reason, "token_ids": g.tokens} for i, g in enumerate(out)]
+        return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
+                "usage": usage(prep, out)}
+
+    @r.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        prep = prepare_chat(req)
+        cid, created = request_id(request), int(time.time())
+        first = [True]
+
+        def chunk(i, text, finish):
+            delta = {"content": text} if text or finish is None else {}
+            if first[0]:
+                delta, first[0] = {"role": "assistant", **delta}, False
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        out = await generate(request, req, prep, cid, chunk)
+        if req.stream:
+            return out
+        g = out[0]
+        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": decode(g.tokens)},
+                             "logprobs": None, "finish_reason": g.finish_reason}],
+                "usage": usage(prep, out)}
 
     return r
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends (finished, client gone, cancelled),
+    so an abandoned stream's requests are aborted in the engine."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

@@ -1,61 +1,145 @@
-"""The reference engine as a service: one background thread steps it, HTTP threads add requests
-and wait for them. Every access to the engine holds ``EngineService.lock``.
+"""The reference engine as a service: one thread owns the engine and steps it; the event loop
+talks to it through commands and awaits ``Generation`` handles.
+
+| who            | does                                                                        |
+|----------------|-----------------------------------------------------------------------------|
+| engine thread  | runs queued commands (add, abort, admin reads) between steps, then a step;  |
+|                | pushes each step's new tokens to the handles; finished requests leave the   |
+|                | engine at once (a bounded ``history`` of them stays for the admin routes)   |
+| event loop     | ``await service.submit(...)``, ``await gen.wait()`` / ``gen.updates()``,     |
+|                | ``await service.run(fn)`` (fn runs on the engine thread, lock held)          |
+
+So a route never holds a thread while a generation runs, and an admin read waits at most one
+step. A disconnected or timed-out client's requests are aborted in the engine (``abort``).
 
 Under the raise policy (or when the watchdog fires under raise or recompute) the step that found
-the problem raises; the service stops stepping, fails every waiting request with that error
-(``EngineStopped``) and keeps serving the admin routes, so the incident can be inspected.
+the problem raises; the engine stops stepping, every waiting generation fails with 503 and the
+admin routes keep answering, so the incident can be inspected. Shutdown drains: new requests are
+refused (503), in-flight ones run for ``ServeLimits.drain_s``, then the rest are aborted with a
+clean 503.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
 from kvcanary.errors import CanaryViolation, KVCanaryError
-from kvcanary.faults import FAULTS
+from kvcanary.faults import FAULTS, Fault
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import Canary, Recovery, WatchdogTimeout
+from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.sweep import SweepRun
+from kvcanary.server.access import AccessConfig
 from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin
+from kvcanary.server.engine_metrics import EngineMetrics
+from kvcanary.server.errors import ApiError
 
 log = logging.getLogger("kvcanary.server")
+_KEEP_REPORTS = 256  # step reports with violations kept by the canary hooks (the admin log keeps more)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """``max_prompts``: prompts in one request; ``max_tokens``: the largest ``max_tokens``;
+    ``max_queued``: generations in the engine at once (429 beyond); ``request_timeout_s``: a
+    request's time limit (504, aborted); ``drain_s``: how long shutdown lets in-flight requests
+    finish; ``history``: finished requests kept for the admin routes."""
+
+    max_prompts: int = 16
+    max_tokens: int = 1024
+    max_queued: int = 1024
+    request_timeout_s: float = 120.0
+    drain_s: float = 5.0
+    history: int = 1024
+
+    def __post_init__(self):
+        for name in ("max_prompts", "max_tokens", "max_queued", "history"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ServeLimits.{name} must be an int >= 1, got {value!r}")
+        for name in ("request_timeout_s", "drain_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ServeLimits.{name} must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """The served engine: model, engine and canary configs, admin options, the model name clients
-    send, and how long a completion may wait for its tokens."""
+    """The served engine: model, engine and canary configs, admin and access options, limits,
+    and the model name clients send."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_slots=2048, max_ctx=512,
                                                                       chunk_size=64, host_tier_slots=1024))
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
+    limits: ServeLimits = field(default_factory=ServeLimits)
     model_name: str = "kv-canary-reference"
-    request_timeout_s: float = 120.0
 
     def __post_init__(self):
         if not self.model_name:
             raise ValueError("ServeConfig.model_name must be a non-empty string, got ''")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"ServeConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-class EngineStopped(KVCanaryError):
-    """The engine stopped stepping (raise policy, watchdog); no request can complete."""
+class Generation:
+    """One prompt's generation as a route sees it. The engine thread appends ``tokens`` (checked,
+    final tokens), sets ``finish_reason`` or ``error``, then sets ``changed`` (an ``asyncio.Event``
+    shared by the generations of one request) on the route's event loop: at every new token when
+    ``stream``, else only when it ends."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event, client_id: str, prompt_len: int,
+                 max_tokens: int, stream: bool = False):
+        self.loop, self.changed, self.stream = loop, changed, stream
+        self.client_id, self.prompt_len, self.max_tokens = client_id, prompt_len, max_tokens
+        self.engine_id = -1
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: ApiError | None = None
+        self.created = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._behind = False  # the engine retracted outputs we delivered: compare when it catches up
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def _notify(self) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.changed.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _finish(self, reason: str) -> None:
+        self.finished_at = self.finished_at or time.monotonic()
+        self.finish_reason = reason
+        self._notify()
+
+    def _fail(self, error: ApiError) -> None:
+        if not self.is_done:
+            self.finished_at = self.finished_at or time.monotonic()
+            self.error = error
+            self._notify()
 
 
 class EngineService(AdminTarget):
-    """Owns the engine, its canary and fault hooks, the stepping thread and the admin state."""
+    """Owns the engine, its canary and fault hooks, the engine thread and the admin state."""
 
     def __init__(self, config: ServeConfig):
         self.config = config
@@ -63,10 +147,24 @@ class EngineService(AdminTarget):
                                                    ())
         self.engine, self.hooks, self.fault_hooks = engine, hooks, fault_hooks
         super().__init__(hooks.canary, threading.RLock())
-        self._wake = threading.Condition(self.lock)
-        self.admin = CanaryAdmin(self, config.admin)
+        self.limits = config.limits
+        self.metrics = EngineMetrics(self)
+        registry = CollectorRegistry()
+        registry.register(CanaryCollector(self.canaries()))  # read on the event loop, see ``read``
+        registry.register(self.metrics)
+        self.admin = CanaryAdmin(self, config.admin, registry)
         self.error: str | None = None
+        self.draining = False
+        self.live: dict[int, Generation] = {}  # engine id -> handle, while it runs
+        self.names: dict[int, str] = {}  # engine id -> client id, live and the last ``history`` finished
+        self.history: deque[dict] = deque(maxlen=config.limits.history)
+        self._retired: deque[int] = deque(maxlen=config.limits.history)
+        for c in self.canaries():
+            c.request_names = self.names
         self._reports_seen = 0
+        self._next_id = 1
+        self._commands: list[tuple[Callable, concurrent.futures.Future]] = []
+        self._wake = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._stop = False
 
@@ -77,68 +175,208 @@ class EngineService(AdminTarget):
         self._thread = threading.Thread(target=self._loop, name="kvcanary-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def begin_drain(self, seconds: float | None = None) -> None:
+        """Refuse new requests from now; abort what still runs after ``seconds`` (default ``drain_s``)."""
+        if self.draining:
+            return
+        self.draining = True
+        seconds = self.limits.drain_s if seconds is None else seconds
+        log.warning("kv_canary server: draining %d request(s) for at most %.1f s", len(self.live), seconds)
+        timer = threading.Timer(seconds, self.abort_all, args=("the server is shutting down; the request was "
+                                                               "aborted after the drain period",))
+        timer.daemon = True
+        timer.start()
+
+    def abort_all(self, message: str) -> concurrent.futures.Future:
+        def run():
+            for gen in list(self.live.values()):
+                self._abort(gen, ApiError(503, message))
+        return self.call(run)
+
     def stop(self, timeout: float = 10.0) -> None:
+        self.draining = True
+        self.abort_all("the server is shutting down")
         with self._wake:
             self._stop = True
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
 
+    # --- the engine thread -------------------------------------------------------------------------
+
+    def call(self, fn: Callable) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between steps, ``lock`` held; returns its future
+        (inline when the thread does not run)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self.is_running and not self._stop:
+                self._commands.append((fn, fut))
+                self._wake.notify_all()
+                return fut
+        with self.lock:
+            self._run_command(fn, fut)
+        return fut
+
+    async def run(self, fn: Callable):
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def read(self, fn: Callable):
+        """Status and metrics read at once, on the event loop, while the engine steps: the engine
+        thread only ever replaces or appends what they read (totals, counter snapshots, deques),
+        so a read sees each value whole; it may see a step half accounted (one counter ahead)."""
+        return fn()
+
+    @staticmethod
+    def _run_command(fn: Callable, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the awaiting route
+            fut.set_exception(e)
+
+    def _can_step(self) -> bool:
+        return self.error is None and self.engine.has_unfinished
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and (self.error is not None or not self.engine.has_unfinished):
+                while not self._commands and not self._stop and not self._can_step():
                     self._wake.wait(0.5)
-                if self._stop:
+                commands, self._commands = self._commands, []
+                if self._stop and not commands:
                     return
-                try:
-                    self.engine.step()
-                except (CanaryViolation, WatchdogTimeout) as e:
-                    self.error = str(e)
-                    for v in getattr(e, "violations", []):
-                        self.admin.log.add([v])
-                    log.error("kv_canary server: engine stopped: %s", e)
-                except Exception as e:  # a stepping thread must not die silently
-                    self.error = f"{type(e).__name__}: {e}"
-                    log.exception("kv_canary server: engine stopped")
-                self._feed_admin()
-                self._wake.notify_all()
-            time.sleep(0)  # let waiting HTTP threads take the lock between steps
+            with self.lock:
+                for fn, fut in commands:
+                    self._run_command(fn, fut)
+                if self._can_step():
+                    self._step()
+
+    def _step(self) -> None:
+        try:
+            result = self.engine.step()
+        except (CanaryViolation, WatchdogTimeout) as e:
+            self.admin.log.add(getattr(e, "violations", []), self.names)  # first: kept before clients hear
+            self._stopped(str(e))
+            log.error("kv_canary server: engine stopped: %s", e)
+            return
+        except Exception as e:  # the engine thread must not die silently
+            self._stopped(f"{type(e).__name__}: {e}")
+            log.exception("kv_canary server: engine stopped")
+            return
+        finally:
+            self._feed_admin()
+        for rid in dict.fromkeys((*result.request_ids, *result.finished_ids)):
+            gen = self.live.get(rid)
+            if gen is not None:
+                self._deliver(gen)
+
+    def _stopped(self, error: str) -> None:
+        self.error = error
+        for gen in list(self.live.values()):
+            gen._fail(ApiError(503, f"the engine stopped: {error}"))
+
+    def _deliver(self, gen: Generation) -> None:
+        req = self.engine.requests[gen.engine_id]
+        out, n = req.output_ids, len(gen.tokens)
+        if len(out) < n:
+            gen._behind = True  # recompute retracted delivered tokens; they must come back the same
+        elif len(out) > n:
+            if gen._behind:
+                gen._behind = False
+                if out[:n] != gen.tokens:
+                    self._abort(gen, ApiError(500, "the request was recomputed after a KV-cache violation and "
+                                                   "its tokens changed after they were streamed; retry it"))
+                    return
+            if gen.first_token_at is None:
+                gen.first_token_at = time.monotonic()
+            gen.tokens.extend(out[n:])
+            self.metrics.generation_tokens.inc(len(out) - n)
+            if gen.stream and req.status is not RequestStatus.FINISHED:
+                gen._notify()
+        if req.status is RequestStatus.FINISHED and not gen._behind:
+            self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
+            gen._finish("length")
+
+    def _abort(self, gen: Generation, error: ApiError) -> None:
+        if gen.engine_id in self.engine.requests:
+            self.engine.abort(gen.engine_id)
+        self._release(gen, "aborted")
+        gen._fail(error)
+
+    def _release(self, gen: Generation, status: str) -> None:
+        rid = gen.engine_id
+        if self.live.pop(rid, None) is None:
+            return
+        gen.finished_at = gen.finished_at or time.monotonic()
+        self.engine.requests.pop(rid, None)
+        if len(self._retired) == self._retired.maxlen:
+            self.names.pop(self._retired[0], None)
+        self._retired.append(rid)
+        self.metrics.finished(gen, status)
+        ttft = None if gen.first_token_at is None else round(gen.first_token_at - gen.created, 6)
+        self.history.append({"request": rid, "client": gen.client_id, "status": status,
+                             "prompt_tokens": gen.prompt_len, "completion_tokens": len(gen.tokens),
+                             "ttft_s": ttft, "e2e_s": round((gen.finished_at or time.monotonic()) - gen.created, 6)})
 
     def _feed_admin(self) -> None:
         reports = self.hooks.reports
         for r in reports[self._reports_seen:]:
             self.admin.record(r)
         self._reports_seen = len(reports)
+        if len(reports) > _KEEP_REPORTS:  # the admin log holds them now; the faults have read them too
+            n = len(reports) - _KEEP_REPORTS
+            del reports[:n]
+            self._reports_seen -= n
+            self.fault_hooks._num_reports = max(self.fault_hooks._num_reports - n, 0)
 
-    # --- completions -----------------------------------------------------------------------------
+    # --- requests ----------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-        """Run ``prompts`` (token ids) for ``max_tokens`` each, batched with whatever else runs;
-        returns their output ids. Raises ValueError / CapacityError for requests the engine
-        refuses, EngineStopped when it stopped, TimeoutError after ``request_timeout_s``."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        with self._wake:
+    async def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int, client_ids: Sequence[str],
+                     stream: bool = False) -> list[Generation]:
+        """Queue ``prompts`` (token ids) for ``max_tokens`` each, named ``client_ids[i]`` in
+        violations and incidents; ``stream``: wake the route at every token. Raises ApiError:
+        400 for a request the engine refuses, 429 when the queue is full, 503 when the engine
+        stopped or the server drains."""
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream)
+                for p, cid in zip(prompts, client_ids, strict=True)]
+
+        def add() -> None:
             if self.error is not None:
-                raise EngineStopped(f"the engine stopped: {self.error}")
-            ids = []
+                raise ApiError(503, f"the engine stopped: {self.error}")
+            if self.draining:
+                raise ApiError(503, "the server is shutting down; retry on another replica")
+            if len(self.live) + len(gens) > self.limits.max_queued:
+                raise ApiError(429, f"the engine holds {len(self.live)} generations and takes at most "
+                                    f"{self.limits.max_queued}; retry later")
+            added = []
             try:
-                for p in prompts:
-                    ids.append(self.engine.add_request(p, max_tokens))
-            except Exception:
-                for rid in ids:
-                    self.engine.abort(rid)
-                raise
-            self._wake.notify_all()
-            done = lambda: self.error is not None or all(
-                self.engine.requests[i].status in (RequestStatus.FINISHED, RequestStatus.ABORTED) for i in ids)
-            if not self._wake.wait_for(done, max(deadline - time.monotonic(), 0)):
-                for rid in ids:
-                    self.engine.abort(rid)
-                raise TimeoutError(f"requests did not finish within {self.config.request_timeout_s} s")
-            if self.error is not None:
-                raise EngineStopped(f"the engine stopped: {self.error}")
-            return [self.engine.output_ids(i) for i in ids]
+                for p, gen in zip(prompts, gens, strict=True):
+                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id)
+                    self._next_id += 1  # never reused: names and history stay unambiguous
+                    added.append(gen)
+                    self.live[gen.engine_id] = gen
+                    self.names[gen.engine_id] = gen.client_id
+            except (ValueError, KVCanaryError) as e:
+                for g in added:
+                    self._abort(g, ApiError(400, str(e)))
+                param = "prompt" if len(prompts) == 1 else f"prompt[{len(added)}]"
+                raise ApiError(400, f"{param}: {e}", "prompt") from None
+            self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+
+        await self.run(add)
+        return gens
+
+    def abort(self, gens: Sequence[Generation], error: ApiError) -> None:
+        """Abort ``gens`` in the engine (fire and forget; safe from a cancelled task)."""
+        pending = [g for g in gens if not g.is_done]
+        if pending:
+            self.call(lambda: [self._abort(g, error) for g in pending if g.engine_id in self.live])
 
     # --- AdminTarget ------------------------------------------------------------------------------
 
@@ -157,7 +395,8 @@ class EngineService(AdminTarget):
         owners = []
         for req in self.engine.scheduler.running:
             hits = torch.nonzero(req.slots[: req.num_cached] == slot).flatten().tolist()
-            owners += [{"request": req.request_id, "position": int(p)} for p in hits]
+            owners += [{"request": req.request_id, "client": self.names.get(req.request_id), "position": int(p)}
+                       for p in hits]
         if self.engine.tree is not None:
             for node in self.engine.tree.nodes():
                 if not node.is_on_host:
@@ -170,10 +409,12 @@ class EngineService(AdminTarget):
         return list(FAULTS)
 
     def inject_fault(self, kind: str, params: dict) -> dict:
-        """Arm ``FAULTS[kind](**params)``; ``warmup_steps`` counts from now (default 0: the next step)."""
+        """Arm ``FAULTS[kind](**params)`` after checking every parameter's name and type;
+        ``warmup_steps`` counts from now (default 0: the next step)."""
         params = dict(params)
+        check_fault_params(FAULTS[kind], params)
         warmup = params.pop("warmup_steps", 0)
-        if type(warmup) is not int or warmup < 0:
+        if warmup < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup!r}")
         fault = FAULTS[kind](warmup_steps=self.engine.step_index + warmup, **params)
         fault.attach(self.engine, self.canary)
@@ -194,4 +435,30 @@ class EngineService(AdminTarget):
         e = self.engine
         return {"model": self.config.model_name, "step": e.step_index, "running": len(e.scheduler.running),
                 "waiting": len(e.scheduler.waiting), "free_slots": e.pool.num_free_slots,
-                "stopped": self.error, "stats": e.stats.as_dict()}
+                "in_flight": len(self.live), "draining": self.draining, "stopped": self.error,
+                "known_requests": len(e.requests), "recent_requests": list(self.history)[-10:],
+                "stats": e.stats.as_dict()}
+
+
+_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+
+
+def check_fault_params(cls: type[Fault], params: dict) -> None:
+    """Raise ValueError unless every key of ``params`` is a keyword of ``cls`` (or of ``Fault``'s
+    gate) and its value has the annotated type (bool is not an int; a name we do not know, such
+    as an enum, takes a string)."""
+    accepted: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                accepted[p.name] = str(p.annotation)
+    for key, value in params.items():
+        if key not in accepted:
+            raise ValueError(f"unknown parameter {key!r}; {cls.name} takes {', '.join(sorted(accepted))}")
+        names = [n.strip() for n in accepted[key].split("|")]
+        types = tuple(t for n in names for t in _JSON_TYPES.get(n, (str,)))
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise ValueError(f"{key} must be {' or '.join(names)}, got {value!r}")
