@@ -1,5 +1,6 @@
 """The layering of DESIGN.md §5 holds for every module of the package: imports point down only,
-no import cycle (late imports included), no private module imported from another package.
+no import cycle (late imports included; a type-only import under ``TYPE_CHECKING`` never
+runs), no private module imported from another package.
 
     cli / server > runs > faults > engine / adapters > distributed > runtime > ops > core
 
@@ -33,7 +34,7 @@ ALLOWED = {
     "server": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs", "server"},
     "cli": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs", "bench",
                    "incident", "server", "cli", "__init__"},
-    "__init__": {"__init__"},
+    "__init__": BASE | {"ops", "config", "runtime", "__init__"},  # the public API re-exports these
     "__main__": {"cli", "__main__"},
 }
 MODULES = sorted(SRC.rglob("*.py"))
@@ -52,11 +53,22 @@ def _layer(module: str) -> str:
 NAMES = {_module(p) for p in MODULES}
 
 
-def _imports(path: Path) -> set[str]:
-    """Every kvcanary module ``path`` imports, anywhere in the file (late and type-only imports
-    included); ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING" for stmt in node.body for n in ast.walk(stmt)}
+
+
+def _imports(path: Path, type_only: bool = True) -> set[str]:
+    """Every kvcanary module ``path`` imports, anywhere in the file (late imports included, and
+    type-only ones unless ``type_only=False``); ``from pkg import name`` counts as importing
+    ``pkg.name`` when that is a module."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = set() if type_only else _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("kvcanary")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvcanary"):
@@ -66,6 +78,7 @@ def _imports(path: Path) -> set[str]:
 
 
 GRAPH = {_module(p): _imports(p) for p in MODULES}
+RUNTIME_GRAPH = {_module(p): _imports(p, type_only=False) for p in MODULES}  # what executes: for cycles
 
 
 def test_every_module_has_a_layer():
@@ -98,8 +111,8 @@ def _cycle() -> list[str] | None:
     def visit(m: str) -> list[str] | None:
         state[m] = 1
         stack.append(m)
-        for n in sorted(GRAPH.get(m, ())):
-            if n not in GRAPH:
+        for n in sorted(RUNTIME_GRAPH.get(m, ())):
+            if n not in RUNTIME_GRAPH:
                 continue
             if state.get(n) == 1:
                 return stack[stack.index(n):] + [n]
@@ -109,7 +122,7 @@ def _cycle() -> list[str] | None:
         state[m] = 2
         return None
 
-    for m in sorted(GRAPH):
+    for m in sorted(RUNTIME_GRAPH):
         if m not in state and (found := visit(m)):
             return found
     return None
@@ -122,16 +135,18 @@ def test_no_import_cycle():
 
 def test_the_checks_can_fail(tmp_path):
     """The cycle search and the private-module rule catch what they are for."""
-    global GRAPH
-    saved = GRAPH
+    global RUNTIME_GRAPH
+    saved = RUNTIME_GRAPH
     try:
-        GRAPH = {"kvcanary.a.x": {"kvcanary.a.y"}, "kvcanary.a.y": {"kvcanary.a.x"}}
+        RUNTIME_GRAPH = {"kvcanary.a.x": {"kvcanary.a.y"}, "kvcanary.a.y": {"kvcanary.a.x"}}
         assert _cycle() == ["kvcanary.a.x", "kvcanary.a.y", "kvcanary.a.x"]
     finally:
-        GRAPH = saved
+        RUNTIME_GRAPH = saved
     f = tmp_path / "m.py"
-    f.write_text("from kvcanary.ops._common import HAS_TRITON\nimport kvcanary.engine.pool\n")
-    assert _imports(f) == {"kvcanary.ops._common", "kvcanary.engine.pool"}
+    f.write_text("from kvcanary.ops._common import HAS_TRITON\nimport kvcanary.engine.pool\n"
+                 "if TYPE_CHECKING:\n    from kvcanary.runs.setup import RunSetup\n")
+    assert _imports(f) == {"kvcanary.ops._common", "kvcanary.engine.pool", "kvcanary.runs.setup"}
+    assert _imports(f, type_only=False) == {"kvcanary.ops._common", "kvcanary.engine.pool"}
 
 
 @pytest.mark.parametrize("path", sorted((SRC.parents[1] / "benchmarks").glob("*.py")), ids=lambda p: p.name)
