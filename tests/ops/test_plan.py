@@ -25,6 +25,7 @@ from ._helpers import (
     strided,
     token_ids,
     wide,
+    with_state,
 )
 
 
@@ -124,7 +125,7 @@ def test_overflow_disables_verify_and_counts(backend):
     canary = torch.randint(0, 256, (20, 32), dtype=torch.uint8, generator=gen).to(plan.slot.device)
     ring, counter = new_ring(8, device=plan.slot.device)
     stats = new_stats(device=plan.slot.device)
-    verify(canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=4, backend=backend)
+    with_state(verify, canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=4, backend=backend)
     assert counter.tolist() == [0] and bool((ring == -1).all())
     assert stats[4].tolist() == [1, 0, 0] and int(stats.sum()) == 1
     # the next step fits again: enable returns to 1, the overflow count stays

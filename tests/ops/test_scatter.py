@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcanary.errors import InputError
 from kvcanary.ops import scatter as scatter_mod
 from kvcanary.ops._common import Backend
 from kvcanary.ops.scatter import ERR_OFFSETS, ERR_ROWS, offsets_from_lengths, scatter_req_token_ids
@@ -156,7 +157,7 @@ def test_triton_backend_without_triton(monkeypatch):
     from kvcanary.ops import _common
 
     monkeypatch.setattr(_common, "HAS_TRITON", False)
-    with pytest.raises(RuntimeError, match="the Triton backend was requested but triton is not installed"):
+    with pytest.raises(InputError, match="the Triton backend was requested but triton is not installed"):
         scatter_req_token_ids(**valid_inputs(), backend=Backend.TRITON)
     scatter_req_token_ids(**valid_inputs())  # CPU tensors take the torch path anyway
 

@@ -12,6 +12,8 @@ import enum
 
 import torch
 
+from kvcanary.errors import InputError, InputTypeError
+
 try:  # Triton is optional on platforms without wheels (macOS laptops): the torch path serves.
     import triton
     import triton.language as tl
@@ -43,22 +45,22 @@ def use_triton(backend: Backend, device: torch.device) -> bool:
         return False
     if backend is Backend.TRITON or device.type == "cuda":
         if not HAS_TRITON:
-            raise RuntimeError("the Triton backend was requested but triton is not installed; "
+            raise InputError("the Triton backend was requested but triton is not installed; "
                                "install triton or pass backend=Backend.TORCH")
         return True
     return False
 
 
 def check_tensor(name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
-    """TypeError for a non-tensor or wrong dtype, ValueError for a wrong rank; returns ``t``."""
+    """InputTypeError for a non-tensor or wrong dtype, InputError for a wrong rank; returns ``t``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
         want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} dtype {str(t.dtype).removeprefix('torch.')} != {want}")
+        raise InputTypeError(f"{name} dtype {str(t.dtype).removeprefix('torch.')} != {want}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise InputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     return t
 
 
@@ -67,18 +69,18 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     device = items[0][1].device
     for k, v in items[1:]:
         if v.device != device:
-            raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
+            raise InputError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
     return device
 
 
 def check_len(name: str, t: torch.Tensor, expected: int, what: str) -> None:
     if t.shape[0] != expected:
-        raise ValueError(f"{name} length {t.shape[0]} != {what} ({expected})")
+        raise InputError(f"{name} length {t.shape[0]} != {what} ({expected})")
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
+        raise InputError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
 
 
 def is_host(t: torch.Tensor) -> bool:
