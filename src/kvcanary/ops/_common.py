@@ -67,6 +67,9 @@ def check_tensor(name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, .
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     device = items[0][1].device
+    for k, v in items:
+        if v.device.type == "meta":
+            raise InputError(f"{k} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
     for k, v in items[1:]:
         if v.device != device:
             raise InputError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
@@ -81,6 +84,18 @@ def check_len(name: str, t: torch.Tensor, expected: int, what: str) -> None:
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise InputError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
+
+
+def check_table(name: str, t: torch.Tensor) -> None:
+    """A 2-D table the kernels index as ``ptr + row * stride(0) + col``: at least one row (row 0
+    is padding) and one column, unit column stride, rows that do not overlap."""
+    rows, width = t.shape
+    if rows < 1 or width < 1:
+        raise InputError(f"{name} shape {tuple(t.shape)} must have at least 1 row and 1 column "
+                         "(row 0 is the padding row)")
+    if (width > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < width):
+        raise InputError(f"{name} must have unit column stride and non-overlapping rows, got strides {t.stride()} "
+                         f"for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -86,9 +86,9 @@ def validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_tok
     n = input_ids.shape[0]
     check_len("positions", positions, n, "len(input_ids)")
     check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
+    validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
     device = check_same_device(records=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
                                positions=positions, out_cache_loc=out_cache_loc)
-    validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
     if is_host(extend_lens) and int(extend_lens.sum()) != n:
         raise InputError(f"extend_lens sum {int(extend_lens.sum())} != len(input_ids) ({n})")
     validate_sources(sources, canary.shape[0], device)

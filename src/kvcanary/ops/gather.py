@@ -27,6 +27,7 @@ from kvcanary.ops._common import (
     check_contiguous,
     check_len,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     num_bits,
@@ -63,6 +64,10 @@ def validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_off
     check_tensor("out", out, torch.int64, 1)
     device = check_same_device(truth=truth, truth_lens=truth_lens, req_pool_indices=req_pool_indices,
                                prefix_lens=prefix_lens, extend_offsets=extend_offsets, input_ids=input_ids, out=out)
+    check_table("truth", truth)
+    for name, t in (("truth_lens", truth_lens), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_offsets", extend_offsets), ("input_ids", input_ids), ("out", out)):
+        check_contiguous(name, t)
     bs, n = req_pool_indices.shape[0], input_ids.shape[0]
     check_len("truth_lens", truth_lens, bs, "bs")
     check_len("prefix_lens", prefix_lens, bs, "bs")
@@ -133,12 +138,6 @@ def gather_expected_tokens(*, truth: torch.Tensor, truth_lens: torch.Tensor, req
     device = validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_offsets, input_ids, out,
                              shift)
     if use_triton(backend, device):
-        if truth.stride(1) != 1:
-            raise InputError(f"truth must have unit column stride, got strides {truth.stride()}")
-        for name, t in (("truth_lens", truth_lens), ("req_pool_indices", req_pool_indices),
-                        ("prefix_lens", prefix_lens), ("extend_offsets", extend_offsets), ("input_ids", input_ids),
-                        ("out", out)):
-            check_contiguous(name, t)
         n, bs = input_ids.shape[0], req_pool_indices.shape[0]
         block = 1024
         _gather_kernel[(max(cdiv(n, block), 1),)](

@@ -37,6 +37,7 @@ from kvcanary.ops._common import (
     check_contiguous,
     check_len,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     num_bits,
@@ -143,10 +144,18 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
         check_tensor("truth_lens", truth_lens, torch.int64, 1)
     if lut is not None:
         check_tensor("lut", lut, torch.int64, 1)
-    if window < 0:
-        raise InputError(f"window {window} < 0; use 0 for full attention")
+        if lut.shape[0] < 1:
+            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_window(window)
     device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                req_to_token=req_to_token, truth=truth, truth_lens=truth_lens, lut=lut)
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_lens", extend_lens), ("truth_lens", truth_lens), ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
+    check_table("req_to_token", req_to_token)
+    if truth is not None:
+        check_table("truth", truth)
     bs = req_pool_indices.shape[0]
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("extend_lens", extend_lens, bs, "bs")
@@ -157,14 +166,26 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
         raise InputError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
     if is_host(req_pool_indices):
         for name, bad in (("req_pool_indices", (req_pool_indices < 0) | (req_pool_indices >= rows)),
-                          ("prefix_lens", prefix_lens < 0), ("extend_lens", extend_lens < 0),
-                          ("prefix_lens + extend_lens", prefix_lens + extend_lens > max_ctx)):
+                          ("prefix_lens", (prefix_lens < 0) | (prefix_lens > max_ctx)),
+                          ("extend_lens", extend_lens < 0),
+                          # compared without the sum, which wraps for lengths near 2**63
+                          ("prefix_lens + extend_lens", extend_lens > max_ctx - prefix_lens)):
             if bool(bad.any()):
                 i = int(torch.nonzero(bad)[0])
                 raise InputError(f"{name}[{i}] out of range (req_pool_indices {int(req_pool_indices[i])}, "
                                  f"prefix_lens {int(prefix_lens[i])}, extend_lens {int(extend_lens[i])}; "
                                  f"rows {rows}, max_ctx {max_ctx})")
     return device
+
+
+def check_window(window) -> int:
+    """The sliding window of a pool: an int in [0, 2**62) (0 = full attention)."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise InputTypeError(f"window must be an int, got {type(window).__name__}; use 0 for full attention")
+    if not 0 <= window < 2**62:
+        raise InputError(f"window {window} < 0; use 0 for full attention" if window < 0 else
+                         f"window {window} >= 2**62; a window longer than any context is 0 (full attention)")
+    return window
 
 
 def _translate_torch(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
@@ -310,13 +331,6 @@ def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
     device = validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens,
                            lut, window)
     if use_triton(backend, device):
-        for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
-                        ("extend_lens", extend_lens), ("truth_lens", truth_lens), ("lut", lut)):
-            if t is not None:
-                check_contiguous(name, t)
-        for name, t in (("req_to_token", req_to_token), ("truth", truth)):
-            if t is not None and t.stride(1) != 1:
-                raise InputError(f"{name} must have unit column stride, got strides {t.stride()}")
         bs = req_pool_indices.shape[0]
         rows, max_ctx = req_to_token.shape
         lut_t = lut if lut is not None else plan.seed

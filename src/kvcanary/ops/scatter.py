@@ -28,6 +28,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     tl,
@@ -59,6 +60,9 @@ def validate_scatter(flat_in, offsets, req_pool_indices, pool_out) -> torch.devi
     check_tensor("pool_out", pool_out, torch.int32, 2)
     device = check_same_device(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
                                pool_out=pool_out)
+    for name, t in (("flat_in", flat_in), ("offsets", offsets), ("req_pool_indices", req_pool_indices)):
+        check_contiguous(name, t)
+    check_table("pool_out", pool_out)
     bs = req_pool_indices.shape[0]
     if offsets.shape[0] != bs + 1:
         raise InputError(f"offsets length {offsets.shape[0]} != bs+1 ({bs + 1}); "
@@ -159,12 +163,10 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
     if error_flag is None:
         error_flag = torch.zeros(1, dtype=torch.int32, device=device)
     check_tensor("error_flag", error_flag, torch.int32, 1)
+    if error_flag.shape[0] != 1:
+        raise InputError(f"error_flag must be int32[1], got shape {tuple(error_flag.shape)}")
+    check_same_device(pool_out=pool_out, error_flag=error_flag)
     if use_triton(backend, device):
-        check_contiguous("flat_in", flat_in)
-        check_contiguous("offsets", offsets)
-        check_contiguous("req_pool_indices", req_pool_indices)
-        if pool_out.stride(1) != 1:
-            raise InputError(f"pool_out must have unit column stride, got strides {pool_out.stride()}")
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
         _scatter_kernel[(programs, split)](
