@@ -31,7 +31,7 @@ from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
-from kvcanary.ops.state import DeviceState, Workspace
+from kvcanary.ops.state import DeviceFlag, DeviceState, Workspace
 from kvcanary.ops.verify import verify
 
 GUARD = 8
@@ -68,7 +68,8 @@ class Arena:
                 flat[self.rng.randrange(flat.numel())] = x
             v = flat.view(v.shape)
         elif kind == "dtype":
-            v = v.to(self.rng.choice([d for d in (torch.int32, torch.int64, torch.uint8, torch.float32) if d != v.dtype]))
+            dtypes = [d for d in (torch.int32, torch.int64, torch.uint8, torch.float32) if d != v.dtype]
+            v = v.to(self.rng.choice(dtypes))
         elif kind == "grow":
             v = torch.cat([v, v[:1] if v.numel() else torch.zeros((1,) + tuple(v.shape[1:]), dtype=v.dtype)])
         elif kind == "shrink" and v.shape and v.shape[0]:
@@ -384,11 +385,15 @@ def _ring_rows(flat: torch.Tensor, mask: torch.Tensor, counter: int) -> tuple:
     return sorted(map(tuple, rows[:n].tolist())), rows[n:].tolist()
 
 
+def m_names(a: Arena) -> set[str]:
+    return set(a.mutations)
+
+
 def compare(op_name: str, seed: int) -> tuple[str, str | None]:
     """(outcome, problem): outcome is 'ok' or the error type's name; problem is None when the
     case holds every promise of the module doc."""
     runs = {b: run_one(op_name, seed, b) for b in (Backend.TORCH, Backend.TRITON)}
-    (a_t, before_t, err_t), (a_k, before_k, err_k) = runs[Backend.TORCH], runs[Backend.TRITON]
+    (a_t, _, err_t), (a_k, _, err_k) = runs[Backend.TORCH], runs[Backend.TRITON]
     for label, (a, before, err) in (("torch", runs[Backend.TORCH]), ("triton", runs[Backend.TRITON])):
         if err is not None:
             if not isinstance(err, InputError):
@@ -400,6 +405,9 @@ def compare(op_name: str, seed: int) -> tuple[str, str | None]:
             for (name, flat, mask), b in zip(a.bufs, before, strict=True):
                 if not Arena.same(flat[~mask], b[~mask]):
                     return "ok", f"{label}: guard bytes of {name} written"
+    flags = {n: int(f[mask][0]) for n, f, mask in a_k.bufs if n == "error" and err_k is None}
+    if flags.get("error", 0) & DeviceFlag.WORKSPACE and any(n.startswith("ws") for n in m_names(a_k)):
+        return "workspace_flag", None  # a stale workspace handed in: reported on the flag, nothing out of bounds
     if (err_t is None) != (err_k is None):
         return "mismatch", f"torch {err_t!r} vs triton {err_k!r}"
     if err_t is not None:

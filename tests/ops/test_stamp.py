@@ -223,7 +223,7 @@ CASES = [
     (dict(stats=torch.zeros(12, 3, dtype=torch.int32)), TypeError, "stats dtype int32 != int64"),
     (dict(tag=12), ValueError, "tag 12 out of range [0, 12); pass LaunchTag(...).value"),
     (dict(tag=-1), ValueError, "tag -1 out of range [0, 12)"),
-    (dict(seed=torch.tensor([-1, -1], device="meta")), ValueError, "seed is on meta but records is on cpu"),
+    (dict(seed=torch.tensor([-1, -1], device="meta")), ValueError, "seed is on the meta device"),
     (dict(ring=new_ring(4, device="meta")[0]), ValueError, "state.ring is on meta but state.records is on cpu"),
     (dict(zip(("ring", "ring_counter"), new_ring(4, device="meta"), strict=True), stats=new_stats("meta")),
      ValueError, "state.ring is on meta but state.records is on cpu"),

@@ -69,6 +69,18 @@ class KVSource:
 
     def __post_init__(self):
         check_tensor("KVSource.words", self.words, torch.int32, 1)
+        if self.words.numel() > 1 and self.words.stride(0) != 1:
+            raise InputError(f"KVSource.words must be a contiguous int32 view (stride 1), got stride "
+                             f"{self.words.stride(0)}; build it with KVSource.from_buffer(buffer)")
+        if self.words.device.type == "meta":
+            raise InputError("KVSource.words is on the meta device, which holds no data")
+        for name in ("num_slots", "bytes_per_token", "page_size", "page_stride_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InputTypeError(f"KVSource.{name} must be an int, got {type(v).__name__}")
+        if self.num_slots < 1 or self.page_stride_bytes < 0:
+            raise InputError(f"KVSource num_slots {self.num_slots} must be >= 1 and page_stride_bytes "
+                             f"{self.page_stride_bytes} >= 0")
         if self.bytes_per_token <= 0 or self.bytes_per_token % 16:
             raise InputError(f"bytes_per_token {self.bytes_per_token} must be a positive multiple of 16")
         if self.page_size < 1:
