@@ -149,7 +149,8 @@ def test_triton_layout_errors():
     with pytest.raises(ValueError, match="flat_in must be contiguous"):
         scatter_req_token_ids(**{**valid_inputs(), "flat_in": torch.arange(14)[::2]}, backend=Backend.TRITON)
     pool_t = torch.zeros(8, 4, dtype=torch.int32).t()
-    with pytest.raises(ValueError, match=r"pool_out must have unit column stride and non-overlapping rows, got strides \(1, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"pool_out must have unit column stride and non-overlapping rows, got strides \(1, 4\)"):
         scatter_req_token_ids(**{**valid_inputs(), "pool_out": pool_t}, backend=Backend.TRITON)
 
 
