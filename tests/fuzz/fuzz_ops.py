@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from kvcanary.ops.state import DeviceFlag, DeviceState, Workspace
 from kvcanary.ops.verify import verify
 
 GUARD = 8
+SLOW_CASE_S = 20.0  # a case this slow means some loop runs as long as a value says
 EXTREMES = [-(2**63), -(2**62), -(2**31) - 1, -(2**31), -2, -1, 0, 1, 2, 2**31 - 1, 2**31, 2**62, 2**63 - 1]
 TENSOR_MUTATIONS = ["extreme", "extreme", "extreme", "dtype", "grow", "shrink", "empty", "ndim", "strided", "stride0",
                     "meta", "nontensor"]
@@ -433,7 +435,10 @@ def fuzz(op_name: str, seeds, counts: Counter | None = None) -> list[str]:
     counts = Counter() if counts is None else counts
     problems = []
     for seed in seeds:
+        t0 = time.perf_counter()
         outcome, problem = compare(op_name, seed)
+        if time.perf_counter() - t0 > SLOW_CASE_S:
+            problem = problem or f"took {time.perf_counter() - t0:.1f} s (a loop bounded by a value, not a shape?)"
         counts[op_name, outcome] += 1
         if problem is not None:
             counts[op_name, "problem"] += 1
@@ -444,7 +449,6 @@ def fuzz(op_name: str, seeds, counts: Counter | None = None) -> list[str]:
 if __name__ == "__main__":  # pragma: no cover - the published counts
     import argparse
     import os
-    import time
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     p = argparse.ArgumentParser()
@@ -454,6 +458,7 @@ if __name__ == "__main__":  # pragma: no cover - the published counts
     counts, problems, t0 = Counter(), [], time.perf_counter()
     for name in CASES:
         problems += fuzz(name, range(args.first_seed, args.first_seed + args.cases), counts)
+        print(f"{name} done at {time.perf_counter() - t0:.0f} s", flush=True)
     for name in CASES:
         row = {k[1]: v for k, v in counts.items() if k[0] == name}
         print(name, dict(sorted(row.items())))

@@ -98,6 +98,12 @@ def check_table(name: str, t: torch.Tensor) -> None:
                          f"for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
+def check_programs(max_programs) -> None:
+    """A persistent grid's program cap: an int in [1, 65535]."""
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= 65535:
+        raise InputError(f"max_programs {max_programs!r} out of range [1, 65535]")
+
+
 def is_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 

@@ -71,6 +71,7 @@ from kvcanary.ops.state import WRITE_BLOCK, DeviceState, Workspace
 from kvcanary.ops.verify import check_entries, verify
 
 RECORD_BLOCK = 128
+MAX_SPLIT = 1024  # programs per request verifying its prefix
 TARGET_PROGRAMS = 1024
 _SYNC_TICKET, _SYNC_PRE_DONE, _SYNC_FINISHED, _SYNC_EPOCH = range(4)
 
@@ -377,8 +378,8 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     for name, t in (("req_to_token", req_to_token), ("truth", truth)):
         if t is not None and t.numel() and t.stride(1) != 1:
             raise InputError(f"{name} must have unit column stride, got strides {t.stride()}")
-    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
-        raise InputError(f"split {split!r} < 1; pass None or a positive int")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= MAX_SPLIT):
+        raise InputError(f"split {split!r} out of range [1, {MAX_SPLIT}]; pass None (verify_split) or a positive int")
     if max_spins is not None and (isinstance(max_spins, bool) or not isinstance(max_spins, int)
                                   or not 1 <= max_spins < 2**62):
         raise InputError(f"max_spins {max_spins!r} out of range [1, 2**62); pass None for the default")

@@ -36,6 +36,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_len,
+    check_programs,
     check_same_device,
     check_table,
     check_tensor,
@@ -330,6 +331,7 @@ def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
     """
     device = validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens,
                            lut, window)
+    check_programs(max_programs)
     if use_triton(backend, device):
         bs = req_pool_indices.shape[0]
         rows, max_ctx = req_to_token.shape
