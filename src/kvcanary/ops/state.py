@@ -124,7 +124,7 @@ class DeviceState:
             object.__setattr__(self, "error", torch.zeros(1, dtype=torch.int32, device=dev))
         object.__setattr__(self, "workspaces", tuple(self.workspaces))
         self._validate()
-        object.__setattr__(self, "_key", _layout(self._tensors()))
+        object.__setattr__(self, "_key", _layout(self._tensors()[:5]))
 
     @classmethod
     def allocate(cls, num_slots: int, *, ring_capacity: int = 4096, max_bs: int = 1, max_tokens: int = 1,
@@ -195,8 +195,9 @@ class DeviceState:
         return names[i]
 
     def check(self) -> None:
-        """The per-call check: same buffers (addresses, shapes) as validated at construction."""
-        if _layout(self._tensors()) != self._key:
+        """The per-call check: the same buffers (addresses, shapes) as validated at construction.
+        The workspaces are checked against the batch by ``check_forward`` itself."""
+        if _layout((self.records, self.ring, self.ring_counter, self.stats, self.error)) != self._key:
             raise InputError("state buffers were resized or replaced since the DeviceState was built; "
                              "build a new DeviceState")
 
