@@ -223,7 +223,7 @@ def valid_world() -> dict:
     (dict(req_pool_indices=torch.tensor([1, 9])), ValueError, "req_pool_indices[1] out of range"),
     (dict(workspace=Workspace.allocate(1, 8)), ValueError, "workspace max_bs 1 < bs (2)"),
     (dict(workspace="x"), TypeError, "state.workspaces[0] must be a Workspace"),
-    (dict(split=0), ValueError, "split 0 < 1"),
+    (dict(split=0), ValueError, "split 0 out of range [1, 1024]"),
 ])
 def test_validation_errors(change, exc, fragment):
     w = valid_world() | change

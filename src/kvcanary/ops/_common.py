@@ -98,6 +98,15 @@ def check_table(name: str, t: torch.Tensor) -> None:
                          f"for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
+def check_count(name: str, value, lo: int = 1) -> int:
+    """A size argument: an int >= ``lo`` (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo:
+        raise InputError(f"{name} {value} < {lo}")
+    return value
+
+
 def check_programs(max_programs) -> None:
     """A persistent grid's program cap: an int in [1, 65535]."""
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= 65535:

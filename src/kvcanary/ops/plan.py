@@ -35,6 +35,7 @@ from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
+    check_count,
     check_len,
     check_programs,
     check_same_device,
@@ -86,10 +87,8 @@ class Plan:
 
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
-        if capacity < 1:
-            raise InputError(f"plan capacity {capacity} < 1")
-        if max_bs < 1:
-            raise InputError(f"plan max_bs {max_bs} < 1")
+        check_count("plan capacity", capacity)
+        check_count("plan max_bs", max_bs)
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros(capacity, **i32), torch.full((capacity,), -1, **i32), torch.zeros(capacity, **i32),

@@ -27,7 +27,7 @@ import torch
 
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, RECORD_BYTES, VIOLATION_ROW_WIDTH, LaunchPoint
 from kvcanary.errors import InputError, InputTypeError
-from kvcanary.ops._common import cdiv, check_tensor
+from kvcanary.ops._common import cdiv, check_count, check_tensor
 
 WRITE_BLOCK = 1024  # tokens per look-back block of check_forward's writers
 
@@ -75,10 +75,8 @@ class Workspace:
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device: torch.device | str = "cpu") -> Workspace:
-        if max_bs < 1:
-            raise InputError(f"max_bs {max_bs} < 1")
-        if max_tokens < 1:
-            raise InputError(f"max_tokens {max_tokens} < 1")
+        check_count("max_bs", max_bs)
+        check_count("max_tokens", max_tokens)
         i64 = dict(dtype=torch.int64, device=device)
         blocks = cdiv(max_tokens, WRITE_BLOCK)
         return cls(torch.zeros(4, **i64), torch.zeros(max_bs + 1, **i64), torch.full((max_bs,), -1, **i64),
@@ -132,10 +130,9 @@ class DeviceState:
         """Zeroed records for ``num_slots`` slots, an empty ring of ``ring_capacity`` rows, zero
         stats and error flags, and a HEAD and a TAIL workspace for ``max_bs`` requests and
         ``max_tokens`` written tokens per forward."""
-        if num_slots < 2:
+        if check_count("num_slots", num_slots) < 2:
             raise InputError(f"num_slots {num_slots} < 2; slot 0 is reserved, so a pool needs at least 2 slots")
-        if ring_capacity < 1:
-            raise InputError(f"ring_capacity {ring_capacity} < 1")
+        check_count("ring_capacity", ring_capacity)
         return cls(torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8, device=device),
                    torch.full((ring_capacity, VIOLATION_ROW_WIDTH), -1, dtype=torch.int64, device=device),
                    torch.zeros(1, dtype=torch.int64, device=device),
