@@ -98,6 +98,24 @@ def check_table(name: str, t: torch.Tensor) -> None:
                          f"for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
+def check_buffers(owner: str, obj, dtypes: dict[str, torch.dtype], lengths: dict[str, int], what: str) -> None:
+    """The 1-D buffers of a hand-buildable dataclass (``owner``: its name): each of its dtype,
+    contiguous, on the device of the first, of the length in ``lengths`` (``what`` names the
+    sizes they follow)."""
+    first = None
+    for name, dtype in dtypes.items():
+        t = check_tensor(f"{owner}.{name}", getattr(obj, name), dtype, 1)
+        if not t.is_contiguous():
+            raise InputError(f"{owner}.{name} must be contiguous, got strides {t.stride()}; use {owner}.allocate")
+        first = first if first is not None else (name, t.device)
+        if t.device != first[1]:
+            raise InputError(f"{owner}.{name} is on {t.device} but {owner}.{first[0]} is on {first[1]}")
+    for name, n in lengths.items():
+        if getattr(obj, name).shape[0] != n:
+            raise InputError(f"{owner}.{name} length {getattr(obj, name).shape[0]} != {n} ({what}); "
+                             f"use {owner}.allocate")
+
+
 def check_count(name: str, value, lo: int = 1) -> int:
     """A size argument: an int >= ``lo`` (bools and floats refused)."""
     if isinstance(value, bool) or not isinstance(value, int):

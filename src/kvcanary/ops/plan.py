@@ -34,6 +34,7 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    check_buffers,
     check_contiguous,
     check_count,
     check_len,
@@ -69,21 +70,13 @@ class Plan:
     def __post_init__(self):
         """Every buffer 1-D, contiguous, of its dtype, on one device; entry buffers of one length
         >= 1; scalars of length 1; offsets of length max_bs + 1 (a hand-built plan included)."""
-        for name, dtype in _PLAN_FIELDS:
-            t = check_tensor(f"Plan.{name}", getattr(self, name), dtype, 1)
-            if not t.is_contiguous():
-                raise InputError(f"Plan.{name} must be contiguous, got strides {t.stride()}; use Plan.allocate")
-            if t.device != self.slot.device:
-                raise InputError(f"Plan.{name} is on {t.device} but Plan.slot is on {self.slot.device}")
+        check_buffers("Plan", self, dict(_PLAN_FIELDS), {}, "")
         cap, max_bs = self.slot.shape[0], self.seed.shape[0]
         if cap < 1 or max_bs < 1:
             raise InputError(f"Plan capacity {cap} and max_bs {max_bs} must be >= 1; use Plan.allocate")
-        want = dict(pred=cap, position=cap, token=cap, count=1, enable=1, overflow=1, verify_offsets=max_bs + 1,
-                    write_offsets=max_bs + 1)
-        for name, n in want.items():
-            if getattr(self, name).shape[0] != n:
-                raise InputError(f"Plan.{name} length {getattr(self, name).shape[0]} != {n} (capacity {cap}, "
-                                 f"max_bs {max_bs}); use Plan.allocate")
+        check_buffers("Plan", self, {}, dict(pred=cap, position=cap, token=cap, count=1, enable=1, overflow=1,
+                                             verify_offsets=max_bs + 1, write_offsets=max_bs + 1),
+                      f"capacity {cap}, max_bs {max_bs}")
 
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:

@@ -27,7 +27,7 @@ import torch
 
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, RECORD_BYTES, VIOLATION_ROW_WIDTH, LaunchPoint
 from kvcanary.errors import InputError, InputTypeError
-from kvcanary.ops._common import cdiv, check_count, check_tensor
+from kvcanary.ops._common import cdiv, check_buffers, check_count, check_tensor
 
 WRITE_BLOCK = 1024  # tokens per look-back block of check_forward's writers
 
@@ -57,21 +57,14 @@ class Workspace:
     block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive)
 
     def __post_init__(self):
-        for name in ("sync", "write_offsets", "seed", "block_sum", "block_flag"):
-            t = check_tensor(f"Workspace.{name}", getattr(self, name), torch.int64, 1)
-            if not t.is_contiguous():
-                raise InputError(f"Workspace.{name} must be contiguous, got strides {t.stride()}; "
-                                 "use Workspace.allocate")
-            if t.device != self.sync.device:
-                raise InputError(f"Workspace.{name} is on {t.device} but Workspace.sync is on {self.sync.device}")
-        want = {"sync": 4, "write_offsets": self.seed.shape[0] + 1, "block_sum": 2 * self.block_flag.shape[0]}
-        for name, n in want.items():
-            if getattr(self, name).shape[0] != n:
-                raise InputError(f"Workspace.{name} length {getattr(self, name).shape[0]} != {n}; "
-                                 "use Workspace.allocate")
-        if self.seed.shape[0] < 1 or self.block_flag.shape[0] < 1:
-            raise InputError(f"Workspace seed/block_flag must be non-empty, got lengths {self.seed.shape[0]}, "
-                             f"{self.block_flag.shape[0]}; use Workspace.allocate")
+        fields = ("sync", "write_offsets", "seed", "block_sum", "block_flag")
+        check_buffers("Workspace", self, dict.fromkeys(fields, torch.int64), {}, "")
+        max_bs, blocks = self.seed.shape[0], self.block_flag.shape[0]
+        if max_bs < 1 or blocks < 1:
+            raise InputError(f"Workspace seed/block_flag must be non-empty, got lengths {max_bs}, {blocks}; "
+                             "use Workspace.allocate")
+        check_buffers("Workspace", self, {}, dict(sync=4, write_offsets=max_bs + 1, block_sum=2 * blocks),
+                      f"max_bs {max_bs}, blocks {blocks}")
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device: torch.device | str = "cpu") -> Workspace:
