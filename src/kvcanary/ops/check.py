@@ -8,7 +8,7 @@ overflows and every prefix entry is checked whatever its count.
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
-| canary            | uint8[num_slots, 32] | records, read and (stamp / record) written in place   |
+| state             | DeviceState          | records read, written (stamp / record); ring, stats   |
 | req_pool_indices  | int64[bs]            | page-table row per request; row 0 = padding           |
 | prefix_lens       | int64[bs]            | positions already cached (read)                       |
 | extend_lens       | int64[bs]            | tokens this forward writes                            |

@@ -2,7 +2,7 @@
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
-| canary            | uint8[num_slots, 32] | records, written in place                             |
+| state             | DeviceState          | records written in place; ring, stats                 |
 | out_cache_loc     | int64[T]             | slot per written token (translated through lut)       |
 | input_ids         | int64[T]             | token written                                         |
 | positions         | int64[T]             | position written                                      |
