@@ -117,7 +117,7 @@ class Canary:
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
-        self._error_pending: list[tuple[int, torch.Tensor, object]] = []  # (step, host copy, event), CUDA
+        self._error_pending: list[tuple[torch.Tensor, object]] = []  # (host copy, event) of the error flags, CUDA
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.host_rows: torch.Tensor | None = None
