@@ -60,3 +60,13 @@ def test_no_flag_without_a_stale_workspace():
     for step in range(3):
         assert forward(canary, step).device_flags == 0
     assert canary.totals.device_errors == 0
+
+
+def test_flush_reads_the_flag_of_the_last_forward():
+    canary = fused_canary(Policy.LOG)
+    forward(canary, 0)
+    canary.state.workspaces[0].sync[1] = 9
+    rtt = torch.arange(1, 33, dtype=torch.int32).view(4, 8)
+    with canary.forward(ForwardBatch(i64(1, 2), i64(1, 1), i64(1, 1), rtt, i64(5, 6), i64(1, 1), i64(10, 18))):
+        pass
+    assert canary.flush(1).device_flags == 4 and canary.totals.device_errors == 1

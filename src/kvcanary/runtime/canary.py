@@ -322,11 +322,15 @@ class Canary:
         self._apply_policy(report)
         return report
 
-    def _read_device_flags(self) -> int:
+    def _read_device_flags(self, flush: bool = False) -> int:
         """The error flags the kernels raised (on CUDA: as of the previous step, copied behind it
-        without a sync), then cleared; a WORKSPACE flag also resets the workspaces."""
+        without a sync; everything when ``flush``), then cleared; a WORKSPACE flag also resets
+        the workspaces."""
         err = self.state.error
-        if err.is_cuda:
+        if err.is_cuda and flush:
+            self._error_pending.clear()
+            bits = int(err[0])  # syncs: the end of a run
+        elif err.is_cuda:
             host = torch.empty(1, dtype=torch.int32, pin_memory=True)
             host.copy_(err, non_blocking=True)
             event = torch.cuda.Event()
@@ -359,7 +363,9 @@ class Canary:
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
         report = StepReport(step, self.reporter.collect(flush=True))
+        report.device_flags = self._read_device_flags(flush=True)
         self._account(report)
+        self._report_device_flags(report)
         self._apply_policy(report)
         return report
 
