@@ -21,3 +21,17 @@ class CanaryViolation(KVCanaryError):
     def __init__(self, message: str, violations: list | None = None):
         super().__init__(message)
         self.violations = list(violations or [])
+
+
+class InputError(KVCanaryError, ValueError):
+    """An argument handed to an op or the runtime is malformed: the message names the argument,
+    the expected and the actual value. Raised before any state is written."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument has the wrong type or dtype."""
+
+
+class DeviceError(KVCanaryError):
+    """A kernel raised the device error flag (a stale workspace, device-side bad offsets); raised
+    after the step under the raise and recompute policies, logged under log."""

@@ -76,7 +76,9 @@ def test_culprit_names_the_kvcanary_frame():
 
     with pytest.raises(ValueError) as info:
         Plan.allocate(0, 1)
-    assert timing.culprit(info.value).startswith("kvcanary.ops.plan.allocate (plan.py:")
+    culprit = timing.culprit(info.value)
+    assert culprit.startswith("kvcanary.ops._common.check_count (_common.py:"), culprit
+    assert "<- kvcanary.ops.plan.allocate (plan.py:" in culprit, culprit
     assert timing.culprit(ValueError("x")).startswith("no kvcanary frame")
 
 

@@ -94,13 +94,13 @@ def test_tiny_step_with_canary_is_clean_and_writes_its_kv(shape):
     logits = torch.empty(shape.bs, TINY.vocab)
     with canary.forward(sb.step):
         model.forward(sb.step, attn, logits)
-    assert int(canary.ring_counter[0]) == 0
+    assert int(canary.state.ring_counter[0]) == 0
     assert not torch.equal(model.k_buffers[1][sb.step.out_cache_loc], before) and logits.isfinite().all()
     if shape.context:
         model.k_buffers[0][int(sb.table[1, 2])] += 1.0
         with canary.forward(sb.step):
             model.forward(sb.step, attn, logits)
-        assert int(canary.ring_counter[0]) > 0
+        assert int(canary.state.ring_counter[0]) > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

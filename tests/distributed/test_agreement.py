@@ -99,7 +99,7 @@ def test_raise_stops_in_the_step_of_the_fault():
     assert engine.step_index == step  # the step did not complete
     assert e.value.violations and all(v.step == step for v in e.value.violations)
     assert f"step {step}, rank 0 of 1: ranks [0] reported violations" in str(e.value)
-    assert torch.is_tensor(hooks.canary.ring_counter)
+    assert torch.is_tensor(hooks.canary.state.ring_counter)
 
 
 @pytest.mark.usefixtures("one_rank_group")

@@ -44,7 +44,7 @@ def test_relocation_round_trip_is_byte_equal():
                      (transfer.prefill.pool.v_buffers[layer], decode.pool.v_buffers[layer])):
             assert torch.equal(a[src].view(torch.uint8), b[dst].view(torch.uint8))
             assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    assert torch.equal(p_hooks.canary.canary[src], d_hooks.canary.canary[dst])
+    assert torch.equal(p_hooks.canary.state.records[src], d_hooks.canary.state.records[dst])
     d_hooks.canary.end_step(0)
     assert d_hooks.canary.counters()["SWEEP"]["checked"] == len(prompt)  # verified on arrival
     assert d_hooks.reports == [] and d_hooks.canary.totals.violations == 0

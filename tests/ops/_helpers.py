@@ -7,10 +7,11 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from kvcanary.core.record import record_words
+from kvcanary.core.record import new_ring, new_stats, record_words
 from kvcanary.ops._common import Backend
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.ops.plan import Plan
+from kvcanary.ops.state import DeviceState, Workspace
 
 from . import reference as ref
 from ._compare import assert_same
@@ -34,7 +35,7 @@ def on_device(x, device: torch.device):
     if isinstance(x, torch.Tensor):
         return x.to(device, copy=True)
     if isinstance(x, Plan):
-        return Plan(**{f.name: on_device(getattr(x, f.name), device) for f in dataclasses.fields(x)})
+        return type(x)(**{f.name: on_device(getattr(x, f.name), device) for f in dataclasses.fields(x)})
     if isinstance(x, KVSource):
         return dataclasses.replace(x, words=on_device(x.words, device))
     if isinstance(x, list | tuple):
@@ -42,10 +43,36 @@ def on_device(x, device: torch.device):
     return x
 
 
+STATE_KEYS = ("canary", "ring", "ring_counter", "stats", "workspace")
+
+
+def with_state(op, **kwargs):
+    """Call ``op`` with the loose buffers a test built (``canary``, ``ring``, ``ring_counter``,
+    ``stats``, ``workspace``) wrapped in one DeviceState sharing their storage; a missing ring or
+    stats is allocated. Without a ``canary`` the arguments pass through unchanged."""
+    if "canary" not in kwargs:
+        return op(**kwargs)
+    loose = {k: kwargs.pop(k) for k in STATE_KEYS if k in kwargs}
+    canary = loose["canary"]
+    dev = canary.device if isinstance(canary, torch.Tensor) else torch.device("cpu")
+    ring, counter = (loose.get("ring"), loose.get("ring_counter"))
+    if ring is None or counter is None:
+        fresh_ring, fresh_counter = new_ring(4, dev)
+        ring = fresh_ring if ring is None else ring
+        counter = fresh_counter if counter is None else counter
+    stats = loose["stats"] if loose.get("stats") is not None else new_stats(dev)
+    workspaces = ()
+    if loose.get("workspace") is not None:
+        spare = Workspace.allocate(1, 1, dev)
+        workspaces = (loose["workspace"], spare) if kwargs.get("stamp") else (spare, loose["workspace"])
+    return op(state=DeviceState(canary, ring, counter, stats, workspaces=workspaces), **kwargs)
+
+
 def run_op(op, backend: Backend, **kwargs):
-    """Call ``op`` on copies of ``kwargs`` placed for ``backend``; returns (the copies, op's result)."""
+    """Call ``op`` on copies of ``kwargs`` placed for ``backend``; returns (the copies, op's result).
+    Loose state buffers in ``kwargs`` go to the op as one DeviceState (``with_state``)."""
     args = {k: on_device(v, device_for(backend)) for k, v in kwargs.items()}
-    return args, op(**args, backend=backend)
+    return args, with_state(op, **args, backend=backend)
 
 
 # --- random values ---------------------------------------------------------------------------

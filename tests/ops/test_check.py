@@ -31,6 +31,7 @@ from ._helpers import (
     random_canary,
     run_op,
     token_ids,
+    with_state,
     words_of,
 )
 
@@ -181,7 +182,7 @@ def test_clean_long_prefill_then_decode_reports_nothing():
     decode = dict(args, prefix_lens=torch.tensor([2500, 3], device=dev), extend_lens=torch.tensor([0, 0], device=dev),
                   input_ids=empty, positions=empty, out_cache_loc=empty, truth_lens=torch.tensor([2500, 3], device=dev))
     checked = int(decode["stats"][0, STAT_CHECKED])
-    check_forward(**decode, backend=Backend.TRITON)
+    with_state(check_forward, **decode, backend=Backend.TRITON)
     assert int(decode["ring_counter"][0]) == int(w["ring_counter"][0])
     assert int(decode["stats"][0, STAT_CHECKED]) == checked + 2503
 
@@ -221,13 +222,13 @@ def valid_world() -> dict:
     (dict(window=-1), ValueError, "window -1 < 0"),
     (dict(req_pool_indices=torch.tensor([1, 9])), ValueError, "req_pool_indices[1] out of range"),
     (dict(workspace=Workspace.allocate(1, 8)), ValueError, "workspace max_bs 1 < bs (2)"),
-    (dict(workspace="x"), TypeError, "workspace must be a Workspace"),
-    (dict(split=0), ValueError, "split 0 < 1"),
+    (dict(workspace="x"), TypeError, "state.workspaces[0] must be a Workspace"),
+    (dict(split=0), ValueError, "split 0 out of range [1, 1024]"),
 ])
 def test_validation_errors(change, exc, fragment):
     w = valid_world() | change
     with pytest.raises(exc) as info:
-        check_forward(**w, backend=Backend.TRITON)
+        with_state(check_forward, **w, backend=Backend.TRITON)
     assert fragment in str(info.value)
 
 

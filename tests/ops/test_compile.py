@@ -60,7 +60,6 @@ def compile_instead_of_run(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = compile_instead_of_run
 
-from kvcanary.core.record import new_canary, new_ring, new_stats
 from kvcanary.ops._common import Backend
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
@@ -68,6 +67,7 @@ from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
+from kvcanary.ops.state import DeviceState
 from kvcanary.ops.verify import verify
 
 T = Backend.TRITON
@@ -75,9 +75,7 @@ i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
 rpi, prefix, extend = i64(1, 2), i64(2, 3), i64(1, 2)
 rtt = torch.ones(3, 8, dtype=torch.int32)
 truth = torch.ones(3, 8, dtype=torch.int32)
-canary = new_canary(16)
-ring, counter = new_ring(8)
-stats = new_stats()
+state = DeviceState.allocate(16, ring_capacity=8, max_bs=2, max_tokens=8)
 
 scatter_req_token_ids(flat_in=i64(1, 2, 3), offsets=i64(0, 1, 3), req_pool_indices=rpi, pool_out=truth, backend=T)
 gather_expected_tokens(truth=truth, truth_lens=i64(4, 4), req_pool_indices=rpi, prefix_lens=prefix,
@@ -89,20 +87,18 @@ for with_truth in (False, True):
                           plan=Plan.allocate(8, 2), lut=lut, window=2 if lut is not None else 0, backend=T, **extra)
 for n in (3, 1500):  # one block, and several (the carry across blocks)
     for expected, lut in ((None, None), (torch.zeros(n, dtype=torch.int64), torch.arange(16))):
-        stamp(canary=canary, out_cache_loc=torch.ones(n, dtype=torch.int64), input_ids=torch.ones(n, dtype=torch.int64),
+        stamp(state=state, out_cache_loc=torch.ones(n, dtype=torch.int64), input_ids=torch.ones(n, dtype=torch.int64),
               positions=torch.ones(n, dtype=torch.int64), req_pool_indices=rpi, prefix_lens=prefix,
-              write_offsets=i64(0, 1, n), seed=i64(-1, 3), ring=ring, ring_counter=counter, stats=stats, tag=1,
+              write_offsets=i64(0, 1, n), seed=i64(-1, 3), tag=1,
               expected_tokens=expected, lut=lut, backend=T)
 kv = [KVSource.from_buffer(torch.zeros(8, 2, bpt, dtype=torch.uint8), page_size=2) for bpt in (16, 64, 256, 512)]
 for sources in (kv[:1], kv[:2], kv[2:], kv):
     for mode in (FingerprintMode.PARTIAL, FingerprintMode.ALL):
-        fingerprint(slots=i64(1, 2, 3), sources=sources, mode=mode, canary=canary, record=True, backend=T)
-        verify(canary=canary, plan=Plan.allocate(8, 2), ring=ring, ring_counter=counter, stats=stats, tag=4,
-               sources=sources, mode=mode, backend=T)
-verify(canary=canary, plan=Plan.allocate(8, 2), ring=ring, ring_counter=counter, stats=stats, tag=0, backend=T)
-batch = dict(canary=canary, req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=rtt,
-             input_ids=i64(1, 2, 3), positions=i64(2, 3, 4), out_cache_loc=i64(5, 6, 7), ring=ring,
-             ring_counter=counter, stats=stats, backend=T)
+        fingerprint(slots=i64(1, 2, 3), sources=sources, mode=mode, state=state, record=True, backend=T)
+        verify(state=state, plan=Plan.allocate(8, 2), tag=4, sources=sources, mode=mode, backend=T)
+verify(state=state, plan=Plan.allocate(8, 2), tag=0, backend=T)
+batch = dict(state=state, req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=rtt,
+             input_ids=i64(1, 2, 3), positions=i64(2, 3, 4), out_cache_loc=i64(5, 6, 7), backend=T)
 with_truth = dict(truth=truth, truth_lens=i64(4, 4))
 for lut in (None, torch.arange(16)):  # a LUT with fingerprints once broke a layout pass (sm_90 only)
     window = dict(lut=lut, window=2 if lut is not None else 0)

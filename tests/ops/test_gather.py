@@ -143,7 +143,7 @@ def valid_inputs() -> dict:
     (dict(req_pool_indices=torch.tensor([-1, 0, 2])), ValueError, "req_pool_indices[0] = -1 out of range [0, 4)"),
     (dict(input_ids=[0, 1]), TypeError, "input_ids must be a torch.Tensor, got list"),
     (dict(truth=torch.zeros(4, 8, dtype=torch.int32, device="meta")), ValueError,
-     "truth_lens is on cpu but truth is on meta"),
+     "truth is on the meta device"),
 ])
 def test_validation_errors(change, exc, fragment):
     for backend in BACKENDS:
@@ -166,7 +166,7 @@ def test_strided_inputs_are_refused_or_honoured(name):
         try:
             gather_expected_tokens(**args, backend=backend)
         except ValueError as e:
-            assert backend is Backend.TRITON and "contiguous" in str(e), (backend, e)
+            assert "contiguous" in str(e), (backend, e)  # refused on every backend alike
             continue
         assert_same(f"out [{backend.value}]", args["out"], want)
 

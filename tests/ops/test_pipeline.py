@@ -32,7 +32,7 @@ from kvcanary.ops.stamp import stamp
 from kvcanary.ops.verify import verify
 
 from ._compare import assert_same
-from ._helpers import BACKENDS, device_for
+from ._helpers import BACKENDS, device_for, with_state
 
 PAGE_SIZE = 4
 NUM_SLOTS = 157  # odd, and not a multiple of the page size
@@ -133,19 +133,20 @@ class Runner:
                           **b)
         assert plan.enable.tolist() == [1]
         ring = dict(ring=self.ring, ring_counter=self.counter, stats=self.stats)
-        verify(canary=self.canary, plan=plan, tag=HEAD, **ring, **b)
+        with_state(verify, canary=self.canary, plan=plan, tag=HEAD, **ring, **b)
         bs = len(rows)
         expected = gather_expected_tokens(truth=self.truth, truth_lens=truth_lens_t, req_pool_indices=rpi,
                                           prefix_lens=prefix_t, extend_offsets=plan.write_offsets[: bs + 1],
                                           input_ids=self.t(ids), **b)
-        stamp(canary=self.canary, out_cache_loc=self.t(loc), input_ids=self.t(ids), positions=self.t(pos),
+        with_state(stamp, canary=self.canary, out_cache_loc=self.t(loc), input_ids=self.t(ids), positions=self.t(pos),
               req_pool_indices=rpi, prefix_lens=prefix_t, write_offsets=plan.write_offsets[: bs + 1],
               seed=plan.seed[:bs], expected_tokens=expected, tag=HEAD, **ring, **b)
         for buf in self.kv:  # the model writes K/V of the new tokens (padding into slot 0)
             for s in loc:
                 buf[s // PAGE_SIZE, s % PAGE_SIZE] = torch.randn(2, 16, generator=self.kv_gen).to(buf.dtype)
-        verify(canary=self.canary, plan=plan, tag=TAIL, sources=self.sources, mode=self.mode, **ring, **b)
-        fingerprint(slots=self.t(loc), sources=self.sources, mode=self.mode, canary=self.canary, record=True, **b)
+        with_state(verify, canary=self.canary, plan=plan, tag=TAIL, sources=self.sources, mode=self.mode, **ring, **b)
+        with_state(fingerprint, slots=self.t(loc), sources=self.sources, mode=self.mode, canary=self.canary,
+                   record=True, **b)
         assert self.counter.tolist() == [0], self.ring[: int(self.counter)].tolist()
 
 
@@ -173,8 +174,9 @@ def test_clean_pipeline_has_no_violations_and_backends_agree(mode, seed):
         plan = build_plan(req_pool_indices=rpi, prefix_lens=lens, extend_lens=torch.zeros_like(lens),
                           req_to_token=runner.req_to_token, plan=runner.plan, truth=runner.truth,
                           truth_lens=runner.t([len(r.tokens) for r in requests]), backend=backend)
-        verify(canary=runner.canary, plan=plan, ring=runner.ring, ring_counter=runner.counter, stats=runner.stats,
-               tag=LaunchTag(LaunchPoint.SWEEP).value, sources=runner.sources, mode=mode, backend=backend)
+        with_state(verify, canary=runner.canary, plan=plan, ring=runner.ring, ring_counter=runner.counter,
+                   stats=runner.stats, tag=LaunchTag(LaunchPoint.SWEEP).value, sources=runner.sources, mode=mode,
+                   backend=backend)
         assert runner.counter.tolist() == [0]
         stats = runner.stats.cpu()
         assert stats[HEAD, STAT_LAUNCHES].item() == len(steps) == stats[TAIL, STAT_LAUNCHES].item()

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcanary.errors import InputError
 from kvcanary.ops import scatter as scatter_mod
 from kvcanary.ops._common import Backend
 from kvcanary.ops.scatter import ERR_OFFSETS, ERR_ROWS, offsets_from_lengths, scatter_req_token_ids
@@ -130,7 +131,7 @@ def valid_inputs() -> dict:
     (dict(req_pool_indices=torch.tensor([1, 0, -1])), ValueError, r"req_pool_indices[2] = -1 out of range [0, 4)"),
     (dict(error_flag=torch.zeros(1, dtype=torch.int64)), TypeError, "error_flag dtype int64 != int32"),
     (dict(error_flag=torch.zeros(1, 1, dtype=torch.int32)), ValueError, "error_flag must be 1-D"),
-    (dict(flat_in=torch.arange(7, device="meta")), ValueError, "offsets is on cpu but flat_in is on meta"),
+    (dict(flat_in=torch.arange(7, device="meta")), ValueError, "flat_in is on the meta device"),
 ])
 def test_validation_errors(change, exc, fragment):
     for backend in BACKENDS:
@@ -148,7 +149,8 @@ def test_triton_layout_errors():
     with pytest.raises(ValueError, match="flat_in must be contiguous"):
         scatter_req_token_ids(**{**valid_inputs(), "flat_in": torch.arange(14)[::2]}, backend=Backend.TRITON)
     pool_t = torch.zeros(8, 4, dtype=torch.int32).t()
-    with pytest.raises(ValueError, match=r"pool_out must have unit column stride, got strides \(1, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"pool_out must have unit column stride and non-overlapping rows, got strides \(1, 4\)"):
         scatter_req_token_ids(**{**valid_inputs(), "pool_out": pool_t}, backend=Backend.TRITON)
 
 
@@ -156,7 +158,7 @@ def test_triton_backend_without_triton(monkeypatch):
     from kvcanary.ops import _common
 
     monkeypatch.setattr(_common, "HAS_TRITON", False)
-    with pytest.raises(RuntimeError, match="the Triton backend was requested but triton is not installed"):
+    with pytest.raises(InputError, match="the Triton backend was requested but triton is not installed"):
         scatter_req_token_ids(**valid_inputs(), backend=Backend.TRITON)
     scatter_req_token_ids(**valid_inputs())  # CPU tensors take the torch path anyway
 

@@ -16,6 +16,7 @@ from kvcanary.core.record import (
     new_stats,
     record_words,
 )
+from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.scatter import offsets_from_lengths
 from kvcanary.ops.stamp import stamp
@@ -33,6 +34,7 @@ from ._helpers import (
     run_op,
     strided,
     token_ids,
+    with_state,
     words_of,
 )
 
@@ -144,7 +146,7 @@ def test_chain_of_a_clean_prefill_is_chain_values():
         i64 = dict(dtype=torch.int64, device=dev)
         # two chunks of one request: 4 tokens from no seed, then 3 continuing from the last slot
         for lo, hi, seed in ((0, 4, -1), (4, 7, slots[3])):
-            stamp(canary=canary, out_cache_loc=torch.tensor(slots[lo:hi], **i64),
+            with_state(stamp, canary=canary, out_cache_loc=torch.tensor(slots[lo:hi], **i64),
                   input_ids=torch.tensor(tokens[lo:hi], **i64), positions=torch.arange(lo, hi, **i64),
                   req_pool_indices=torch.tensor([1], **i64), prefix_lens=torch.tensor([lo], **i64),
                   write_offsets=torch.tensor([0, hi - lo], **i64), seed=torch.tensor([seed], **i64), ring=ring,
@@ -170,10 +172,10 @@ def test_ring_overflow_keeps_counting(backend):
     ring, counter = buf[:6], torch.tensor([2], device=dev)
     ring[:2] = 99  # rows of an earlier launch stay
     args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    stamp(**{**args, "ring": ring, "ring_counter": counter}, backend=backend)
+    with_state(stamp, **{**args, "ring": ring, "ring_counter": counter}, backend=backend)
     assert_ring("ring", ring, counter, torch.tensor([[99] * 8] * 2 + [[-5] * 8] * 4), 2, rows)
     assert buf[6:].cpu().tolist() == [[-5] * 8] * 3
-    stamp(**{**args, "ring": ring, "ring_counter": counter}, backend=backend)
+    with_state(stamp, **{**args, "ring": ring, "ring_counter": counter}, backend=backend)
     assert counter.tolist() == [92] and buf[6:].cpu().tolist() == [[-5] * 8] * 3
 
 
@@ -190,9 +192,10 @@ def valid_inputs() -> dict:
 
 I64_ARGS = ["out_cache_loc", "input_ids", "positions", "req_pool_indices", "prefix_lens", "write_offsets", "seed"]
 CASES = [
-    (dict(canary=torch.zeros(8, 32, dtype=torch.int8)), TypeError, "canary dtype int8 != uint8"),
-    (dict(canary=torch.zeros(8, 16, dtype=torch.uint8)), ValueError, "canary must be uint8[num_slots, 32], got shape"),
-    (dict(canary=torch.zeros(256, dtype=torch.uint8)), ValueError, "canary must be 2-D"),
+    (dict(canary=torch.zeros(8, 32, dtype=torch.int8)), TypeError, "state.records dtype int8 != uint8"),
+    (dict(canary=torch.zeros(8, 16, dtype=torch.uint8)), ValueError,
+     "state.records must be uint8[num_slots, 32], got shape"),
+    (dict(canary=torch.zeros(256, dtype=torch.uint8)), ValueError, "state.records must be 2-D"),
     *[(dict([(name, valid_inputs()[name].to(torch.int32))]), TypeError, f"{name} dtype int32 != int64")
       for name in I64_ARGS],
     *[(dict([(name, valid_inputs()[name][None])]), ValueError, f"{name} must be 1-D") for name in I64_ARGS],
@@ -211,17 +214,19 @@ CASES = [
     (dict(write_offsets=torch.tensor([0, 3, 2])), ValueError, "write_offsets decrease at index 2: 2 < 3"),
     (dict(write_offsets=torch.tensor([0, 2, 4])), ValueError, "write_offsets[-1] 4 != number of tokens (3)"),
     (dict(ring=torch.zeros(4, 8, dtype=torch.int32)), TypeError, "ring dtype int32 != int64"),
-    (dict(ring=torch.zeros(4, 7, dtype=torch.int64)), ValueError, "ring must be a contiguous int64[capacity, 8]"),
-    (dict(ring=torch.zeros(8, 4, dtype=torch.int64).t()), ValueError, "ring must be a contiguous int64[capacity, 8]"),
+    (dict(ring=torch.zeros(4, 7, dtype=torch.int64)), ValueError,
+     "state.ring must be int64[capacity, 8], got shape (4, 7)"),
+    (dict(ring=torch.zeros(8, 4, dtype=torch.int64).t()), ValueError, "state.ring must be contiguous"),
     (dict(ring_counter=torch.zeros(1, dtype=torch.int32)), TypeError, "ring_counter dtype int32 != int64"),
-    (dict(stats=torch.zeros(12, 2, dtype=torch.int64)), ValueError, "stats shape (12, 2) != (12, 3)"),
+    (dict(stats=torch.zeros(12, 2, dtype=torch.int64)), ValueError,
+     "state.stats must be int64[12, 3], got shape (12, 2)"),
     (dict(stats=torch.zeros(12, 3, dtype=torch.int32)), TypeError, "stats dtype int32 != int64"),
     (dict(tag=12), ValueError, "tag 12 out of range [0, 12); pass LaunchTag(...).value"),
     (dict(tag=-1), ValueError, "tag -1 out of range [0, 12)"),
-    (dict(seed=torch.tensor([-1, -1], device="meta")), ValueError, "seed is on meta but canary is on cpu"),
-    (dict(ring=new_ring(4, device="meta")[0]), ValueError, "ring_counter is on cpu but ring is on meta"),
+    (dict(seed=torch.tensor([-1, -1], device="meta")), ValueError, "seed is on the meta device"),
+    (dict(ring=new_ring(4, device="meta")[0]), ValueError, "state.ring is on meta but state.records is on cpu"),
     (dict(zip(("ring", "ring_counter"), new_ring(4, device="meta"), strict=True), stats=new_stats("meta")),
-     ValueError, "ring is on meta but canary is on cpu"),
+     ValueError, "state.ring is on meta but state.records is on cpu"),
 ]
 
 
@@ -229,7 +234,7 @@ CASES = [
 def test_validation_errors(change, exc, fragment):
     for backend in BACKENDS:
         with pytest.raises(exc) as info:
-            stamp(**{**valid_inputs(), **change}, backend=backend)
+            with_state(stamp, **{**valid_inputs(), **change}, backend=backend)
         assert fragment in str(info.value)
 
 
@@ -240,12 +245,12 @@ def test_valid_inputs_pass():
 
 
 @pytest.mark.parametrize("name", I64_ARGS + ["expected_tokens", "lut", "canary"])
-def test_strided_inputs_are_refused_or_honoured(name):
-    """A non-contiguous view: the torch path reads it as it is; the kernel must either refuse it
-    or give the same bytes, never read it as if it were contiguous."""
+def test_strided_inputs_are_refused_on_every_backend(name):
+    """A non-contiguous view is refused by both paths alike (never read as if it were
+    contiguous), before anything is written."""
     gen = torch.Generator().manual_seed(8)
     inputs = make_inputs(gen, [3, 0, 4], with_expected=True, with_lut=True, tag=2)
-    want, _ = run_op(stamp, Backend.TORCH, **inputs)
+    inputs_canary = inputs["canary"]
     for backend in BACKENDS:
         args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         if name == "canary":
@@ -255,12 +260,12 @@ def test_strided_inputs_are_refused_or_honoured(name):
         else:
             args[name] = strided(args[name])
         try:
-            stamp(**args, backend=backend)
-        except ValueError as e:
-            assert backend is Backend.TRITON and "contiguous" in str(e), (backend, e)
+            with_state(stamp, **args, backend=backend)
+        except InputError as e:  # refused on every backend alike, before anything is written
+            assert "contiguous" in str(e), (backend, e)
+            assert_same(f"canary [{backend.value}]", args["canary"], inputs_canary)
             continue
-        assert_same(f"canary [{backend.value}]", args["canary"], want["canary"])
-        assert_same(f"ring [{backend.value}]", args["ring"], want["ring"])
+        raise AssertionError(f"a strided {name} was accepted [{backend.value}]")
 
 
 def test_canary_of_round_trip():
@@ -294,7 +299,7 @@ def test_kernel_with_bad_device_offsets_reads_and_writes_only_its_inputs(monkeyp
         canary_buf = canary0.to(dev, copy=True)
         ring_buf = torch.full((n + 4, 8), -5, **i64)
         counter, stats = torch.zeros(1, **i64), new_stats(dev)
-        stamp(canary=canary_buf[2:-2], out_cache_loc=loc.to(dev), input_ids=ids_buf[guard:],
+        with_state(stamp, canary=canary_buf[2:-2], out_cache_loc=loc.to(dev), input_ids=ids_buf[guard:],
               positions=pos_buf[guard:], req_pool_indices=torch.tensor([1, 2], **i64),
               prefix_lens=torch.tensor([0, 1100], **i64), write_offsets=torch.tensor(write_offsets, **i64),
               seed=torch.tensor([-1, -1], **i64), ring=ring_buf[2:-2], ring_counter=counter, stats=stats, tag=0,

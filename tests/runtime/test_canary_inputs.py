@@ -18,4 +18,4 @@ def test_a_batch_larger_than_max_bs_is_refused_with_the_limit_named():
                          truth_ids=i64(5, 6, 7), truth_offsets=i64(0, 1, 2, 3))
     with pytest.raises(ValueError, match=r"batch size 3 > CanaryConfig.max_bs \(2\); raise max_bs"):
         canary.head(batch)
-    assert int(canary.stats.sum()) == 0 and canary.totals.forwards == 0
+    assert int(canary.state.stats.sum()) == 0 and canary.totals.forwards == 0

@@ -88,11 +88,11 @@ def test_replace_revalidates_so_a_bad_batch_never_reaches_the_canary():
 def test_host_moves_without_a_host_tier_name_attach_host_tier(op):
     canary = Canary(CanaryConfig(), PoolGeometry(num_slots=41, rows=4, max_ctx=16))
     slots, rows = torch.tensor([3, 4]), torch.tensor([0, 1])
-    before = canary.canary.clone()
+    before = canary.state.records.clone()
     args = (slots, rows) if op == "offload" else (rows, slots)
     with pytest.raises(KVCanaryError, match=rf"{op}\(\) before attach_host_tier\(\).*canary.attach_host_tier"):
         getattr(canary, op)(*args)
-    assert torch.equal(canary.canary, before) and int(canary.stats.sum()) == 0
+    assert torch.equal(canary.state.records, before) and int(canary.state.stats.sum()) == 0
 
 
 def test_host_moves_check_their_rows():

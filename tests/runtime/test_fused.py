@@ -34,7 +34,7 @@ def test_clean_run_leaves_the_same_records_as_the_op_by_op_path():
     assert fused.hooks.canary.fused and not plain.hooks.canary.fused
     assert fused.violations == [] and plain.violations == []
     assert fused.error is None and plain.error is None
-    assert fused.hooks.canary.canary.equal(plain.hooks.canary.canary)
+    assert fused.hooks.canary.state.records.equal(plain.hooks.canary.state.records)
     fc, pc = fused.hooks.canary.counters(), plain.hooks.canary.counters()
     for point in ("HEAD", "TAIL"):
         assert fc[point] == pc[point], point

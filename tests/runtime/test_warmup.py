@@ -67,7 +67,7 @@ def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window, fused
     c.tail(step)
     assert int(c.ring_counter[0]) == 0
     assert int(c.stats[c.tag(LaunchPoint.HEAD), 0]) == 2  # the fill's and the step's launches only
-    c.canary[int(fill.out_cache_loc[3])] ^= 1
+    c.state.records[int(fill.out_cache_loc[3])] ^= 1
     c.head(step)
     assert int(c.ring_counter[0]) > 0
 

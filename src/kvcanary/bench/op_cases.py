@@ -64,7 +64,7 @@ def new_canary_random(b: OpsBench, n_slots):
 def run_stamp(b: OpsBench, canary, bs, n, label):
     """``bs`` requests writing ``n`` tokens each after a random prefix, seeded from a random record
     whose position fits; every rotated set writes its own slots, so replays stay violation-free."""
-    order, used, words, ring = b.perm(canary.shape[0] - 1), [0], rec.record_words(canary), b.ring_kw()
+    order, used, words, ring = b.perm(canary.shape[0] - 1), [0], rec.record_words(canary), b.ring_kw(canary)
 
     def take(k):
         used[0] += k
@@ -75,7 +75,7 @@ def run_stamp(b: OpsBench, canary, bs, n, label):
     def make(i):
         prefix, seed = b.rnd(bs, hi=4096), take(bs)
         words[seed, rec.POSITION] = prefix - 1
-        return dict(canary=canary, out_cache_loc=take(bs * n), input_ids=b.rnd(bs * n),
+        return dict(out_cache_loc=take(bs * n), input_ids=b.rnd(bs * n),
                     positions=prefix.repeat_interleave(n) + b.ar(n).repeat(bs), req_pool_indices=b.ar(bs) + 1,
                     prefix_lens=prefix, write_offsets=b.ar(bs + 1, n), seed=seed, **ring)
 
@@ -114,9 +114,10 @@ def make_world(b: OpsBench):
     plans = []
     for g in range(groups):
         r = b.ar(bs) + 1 + g * bs
-        kw = dict(canary=canary, out_cache_loc=table[r, :ctx].reshape(-1).long(),
+        kw = dict(out_cache_loc=table[r, :ctx].reshape(-1).long(),
                   input_ids=truth[r, :ctx].reshape(-1).long(), positions=b.ar(ctx).repeat(bs), req_pool_indices=r,
-                  prefix_lens=b.full_(bs, 0), write_offsets=b.ar(bs + 1, ctx), seed=b.full_(bs, -1), **b.ring_kw())
+                  prefix_lens=b.full_(bs, 0), write_offsets=b.ar(bs + 1, ctx), seed=b.full_(bs, -1),
+                  **b.ring_kw(canary))
         if g == 0:
             b.cross(f"stamp prefill {bs}x{ctx} (verify world)", stamp, kw, RING_OUTS, expect_rows=0)
         stamp(**kw)
@@ -129,15 +130,15 @@ def make_world(b: OpsBench):
 
 def verify_kw(world, plan, src, mode, ring):
     meta = source_meta(src[:2], mode, plan.slot.device) if mode is not NONE else None
-    return dict(canary=world["canary"], plan=plan, sources=src[:2], mode=mode, meta=meta, **ring)
+    return dict(plan=plan, sources=src[:2], mode=mode, meta=meta, **ring)
 
 
 def run_verify(b: OpsBench, world, src, mode):
     groups, bs, ctx = b.s["world"]
     entries = bs * ctx
     b.cross(f"verify {entries} entries clean {mode.name}", verify,
-            verify_kw(world, world["plans"][0], src, mode, b.ring_kw()), RING_OUTS, expect_rows=0)
-    ring, nbytes = b.ring_kw(), entries * (80 + (32 if mode is PARTIAL else 0))
+            verify_kw(world, world["plans"][0], src, mode, b.ring_kw(world["canary"])), RING_OUTS, expect_rows=0)
+    ring, nbytes = b.ring_kw(world["canary"]), entries * (80 + (32 if mode is PARTIAL else 0))
 
     def pct(r):
         useful = r["bytes"] / r["main_us"] / 1e3
@@ -164,7 +165,8 @@ def run_verify_corrupt(b: OpsBench, world, src, mode):
     kwords[flipped, 0] ^= 1
     try:
         got = b.cross(f"verify corrupted ({n} entries repointed, {flipped.numel()} K words flipped) {mode.name}",
-                      verify, verify_kw(world, plan, src, mode, b.ring_kw(1 << 16)), RING_OUTS, expect_rows=">0")
+                      verify, verify_kw(world, plan, src, mode, b.ring_kw(world["canary"], 1 << 16)), RING_OUTS,
+                      expect_rows=">0")
     finally:
         kwords[flipped, 0] = saved
     if got is None:
@@ -186,15 +188,16 @@ def run_plan(b: OpsBench, bs, ctx):
 
 def run_fingerprint(b: OpsBench, src, canary, n, mode):
     meta = source_meta(src, mode, b.dev)
+    state = b.ring_kw(canary, 1)["state"]
 
     def make(i):
-        return dict(slots=b.rnd(n, hi=canary.shape[0]), sources=src, mode=mode, out=b.rnd(n), canary=canary,
+        return dict(slots=b.rnd(n, hi=canary.shape[0]), sources=src, mode=mode, out=b.rnd(n), state=state,
                     meta=meta)
 
     kw = make(0)
     kw["slots"][:3] = torch.tensor([0, -5, canary.shape[0] + 7])  # invalid slots give 0 and are not recorded
     kw["record"] = True
-    b.cross(f"fingerprint {n} slots x {len(src)} sources {mode.name} (record)", fingerprint, kw, ["out", "canary"])
+    b.cross(f"fingerprint {n} slots x {len(src)} sources {mode.name} (record)", fingerprint, kw, ["out", "state"])
     nbytes = n * (sum(4 * s.words_read(mode) for s in src) + 16)
     pct = lambda r: {"pct_ceiling": 100 / r["ratio"] if r["ratio"] else None}  # noqa: E731  % of copy bandwidth
     target = ("≥80% copy bw", lambda r: (r["pct_ceiling"] or 0) >= 80) if mode is ALL else None
@@ -232,7 +235,8 @@ def run_cases(b: OpsBench) -> None:
         world = make_world(b)
     with sec("verify world fingerprints"):  # PARTIAL fingerprints of layer 0's K and V, for verify PARTIAL
         slots = world["table"][1:, :b.s["world"][2]].reshape(-1).long()
-        fingerprint(slots=slots, sources=src[:2], mode=PARTIAL, canary=world["canary"], record=True)
+        fingerprint(slots=slots, sources=src[:2], mode=PARTIAL, state=b.ring_kw(world["canary"], 1)["state"],
+                    record=True)
     for mode in (NONE, PARTIAL):
         with sec(f"verify {mode.name}"):
             run_verify(b, world, src, mode)

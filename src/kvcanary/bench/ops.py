@@ -29,10 +29,11 @@ from kvcanary.bench.results import RunRecord, fmt
 from kvcanary.core import record as rec
 from kvcanary.ops.backend import HAS_TRITON, Backend, tl, triton
 from kvcanary.ops.plan import Plan
+from kvcanary.ops.state import DeviceState
 
 TRI, TORCH = Backend.TRITON, Backend.TORCH
 L2_BYTES = 60e6
-RING_OUTS = ["canary", "ring", "ring_counter", "stats"]
+RING_OUTS = ["state"]  # records, ring rows, counter and stats
 # shapes: the target shapes on CUDA; a CPU-sized set; tiny shapes that run in seconds on the CPU
 SHAPES = {
     "full": dict(scatter=[(1, 128), (64, 2048), (256, 8192), (1024, 4096), (4096, 256)], gather=(256, 8192),
@@ -98,9 +99,10 @@ class OpsBench:
     def full_(self, n, value):
         return torch.full((n,), value, dtype=torch.int64, device=self.dev)
 
-    def ring_kw(self, capacity=4096):
+    def ring_kw(self, canary, capacity=4096):
+        """``state`` over ``canary`` with a fresh ring and stats, and a HEAD tag."""
         ring, counter = rec.new_ring(capacity, self.dev)
-        return dict(ring=ring, ring_counter=counter, stats=rec.new_stats(self.dev),
+        return dict(state=DeviceState(canary, ring, counter, rec.new_stats(self.dev)),
                     tag=rec.LaunchTag(rec.LaunchPoint.HEAD).value)
 
     # --- correctness -----------------------------------------------------------------------
@@ -116,8 +118,6 @@ class OpsBench:
         op(**b, backend=TORCH)
         problems, names = [], []
         for key in outs:
-            if key == "ring":
-                continue
             for (label, x), (_, y) in zip(_tensors(key, a[key]), _tensors(key, b[key]), strict=True):
                 names.append(label)
                 x, y = x.reshape(-1), y.reshape(-1).to(x.device)
@@ -125,9 +125,10 @@ class OpsBench:
                 if diff.numel():
                     problems.append(f"{label}: {diff.numel()} of {x.numel()} differ, first at {diff[:5].tolist()}")
         rows = got = None
-        if "ring" in outs:
-            got, other = (collections.Counter(map(tuple, k["ring"][: min(int(k["ring_counter"][0]),
-                                                                          len(k["ring"]))].tolist())) for k in (a, b))
+        if "state" in outs:
+            got, other = (collections.Counter(map(tuple, st.ring[: min(int(st.ring_counter[0]),
+                                                                        len(st.ring))].tolist()))
+                          for st in (a["state"], b["state"]))
             rows = sum(got.values())
             if got != other:
                 problems.append(f"ring rows: {sum((got - other).values())} only from triton, "
@@ -175,8 +176,8 @@ class OpsBench:
         row["floor_us"] = timing.floor_us(nbytes, self.bw["copy"]) if self.bw.get("copy") else None
         row["ratio"] = row["main_us"] / row["floor_us"] if row["floor_us"] else None
         row["speedup"] = row["baseline_us"] / row["main_us"] if row.get("baseline_us") else None
-        if "ring_counter" in kws[0]:
-            row["ring_rows_while_timing"] = int(kws[0]["ring_counter"][0])
+        if "state" in kws[0]:
+            row["ring_rows_while_timing"] = int(kws[0]["state"].ring_counter[0])
         row.update(extra(row) if extra else {})
         if target and self.s["name"] == "full" and self.cuda:
             row["target"] = f"{target[0]} {'PASS' if target[1](row) else 'MISS'}"
@@ -246,8 +247,14 @@ class OpsBench:
 def _tensors(name, v):
     if isinstance(v, Plan):
         return [(f"{name}.{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)]
+    if isinstance(v, DeviceState):  # ring rows are compared as a multiset (their order is unspecified)
+        return [(f"{name}.records", v.records), (f"{name}.ring_counter", v.ring_counter), (f"{name}.stats", v.stats)]
     return [(name, v)]
 
 
 def _clone(v):
-    return Plan(*[t.clone() for _, t in _tensors("", v)]) if isinstance(v, Plan) else v.clone()
+    if isinstance(v, Plan):
+        return Plan(*[t.clone() for _, t in _tensors("", v)])
+    if isinstance(v, DeviceState):
+        return DeviceState(v.records.clone(), v.ring.clone(), v.ring_counter.clone(), v.stats.clone())
+    return v.clone()

@@ -192,16 +192,15 @@ def canary_bytes(shape: StepShape, mode: StudyMode, source_read_bytes: int, swee
 
 def _counters(canary: Canary) -> tuple[int, int, int]:
     """(violation rows so far, slots checked, slots stamped) from the device (syncs)."""
-    s = canary.stats.sum(0).tolist()
-    return int(canary.ring_counter[0]), s[STAT_CHECKED], s[STAT_STAMPED]
+    s = canary.state.stats.sum(0).tolist()
+    return int(canary.state.ring_counter[0]), s[STAT_CHECKED], s[STAT_STAMPED]
 
 
 def _sweep_launch(canary: Canary) -> None:
     """The device work of a sweep whose plan is already loaded: one verify of the sweep plan,
     as ``Canary.sweep`` launches it (the host part, building the plan, is not captured)."""
-    verify(canary=canary.canary, plan=canary.sweep_plan, ring=canary.ring, ring_counter=canary.ring_counter,
-           stats=canary.stats, tag=canary.tag(LaunchPoint.SWEEP), sources=canary.sources, mode=canary.config.real_kv,
-           meta=canary.meta)
+    verify(state=canary.state, plan=canary.sweep_plan, tag=canary.tag(LaunchPoint.SWEEP), sources=canary.sources,
+           mode=canary.config.real_kv, meta=canary.meta)
 
 
 def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, batches: int = 15) -> dict:
@@ -241,9 +240,9 @@ def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, ba
     timing.synchronize(dev)
     row["violations"] = _counters(canary)[0]
     if row["violations"]:
-        n = min(row["violations"], canary.ring.shape[0], 4)
+        n = min(row["violations"], canary.state.ring_capacity, 4)
         row["first_violations"] = [f"{r.tag.point.name} {format_reasons(int(r.reasons))} slot={r.slot}"
-                                   for r in decode_rows(canary.ring[:n])]
+                                   for r in decode_rows(canary.state.ring[:n])]
     row["per_step_us"] = t.us + prepare_us + (sweep_us / mode.sweep_interval if mode.sweep_interval else 0.0)
     floor = shape.floor_us(pool.model, copy_GBps)
     read = sum(4 * s.words_read(mode.real_kv) for s in canary.sources)
@@ -276,7 +275,7 @@ def tripwire(canary: Canary, step: Step, batch: ForwardBatch, mode: StudyMode) -
     slot = int(step.table[1, step.shape.context // 2])
     before = _counters(canary)[0]
     if mode.real_kv is FingerprintMode.NONE:
-        words, col, what = record_words(canary.canary), CHAIN, "chain"
+        words, col, what = record_words(canary.state.records), CHAIN, "chain"
     else:
         words, col, what = canary.sources[0].words.view(canary.sources[0].num_slots, -1), 0, "fingerprint"
     saved = words[slot, col].clone()

@@ -110,7 +110,7 @@ def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots
 
 
 def violations(canary: Canary) -> int:
-    return int(canary.ring_counter[0])
+    return int(canary.state.ring_counter[0])
 
 
 def capture(fns, pool) -> torch.cuda.CUDAGraph:
@@ -161,7 +161,7 @@ def tripwire(canary: Canary, graph, sb: StepBatch, mode: FingerprintMode) -> str
         return "n/a (reads no prefix)"
     slot = int(sb.table[1, sb.shape.context // 2])
     if mode is FingerprintMode.NONE:
-        words, col, what = record_words(canary.canary), CHAIN, "chain"
+        words, col, what = record_words(canary.state.records), CHAIN, "chain"
     else:
         src = canary.sources[0]
         words, col, what = src.words.view(src.num_slots, -1), 0, "K word"

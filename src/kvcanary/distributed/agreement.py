@@ -69,27 +69,27 @@ class _RingWatch:
 
     def __init__(self, canary: Canary):
         self.canary = canary
-        self.summary = RingSummary(canary.ring)
-        self.mark = canary.ring_counter.clone()  # counter value up to which rows were signalled
+        self.summary = RingSummary(canary.state.ring)
+        self.mark = canary.state.ring_counter.clone()  # counter value up to which rows were signalled
         self.carry_rows = torch.zeros_like(self.mark)  # rows settled before a reporter reset
         self.carry_code = torch.zeros_like(self.mark)
 
     def settle(self) -> None:
         """Before the canary's ``end_step``, whose reporter may reset the ring counter."""
-        rows, code = self.summary(self.mark, self.canary.ring_counter)
+        rows, code = self.summary(self.mark, self.canary.state.ring_counter)
         self.carry_rows += rows
         self.carry_code |= code
-        self.mark.copy_(self.canary.ring_counter)
+        self.mark.copy_(self.canary.state.ring_counter)
 
     def rebase(self) -> None:
         """After the canary's ``end_step``: count from the (possibly reset) counter on."""
-        self.mark.copy_(self.canary.ring_counter)
+        self.mark.copy_(self.canary.state.ring_counter)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, code) since the last ``take``; starts over."""
-        rows, code = self.summary(self.mark, self.canary.ring_counter)
+        rows, code = self.summary(self.mark, self.canary.state.ring_counter)
         rows, code = rows + self.carry_rows, code | self.carry_code
-        self.mark.copy_(self.canary.ring_counter)
+        self.mark.copy_(self.canary.state.ring_counter)
         self.carry_rows.zero_()
         self.carry_code.zero_()
         return rows, code
@@ -128,7 +128,7 @@ class RankAgreement:
         self.canaries, self.canary, self.policy, self.group = canaries, canary, policy, group
         self.slot_map = slot_map or (lambda pool, slots: slots)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        dev = canary.canary.device
+        dev = canary.state.device
         self.is_cuda = dev.type == "cuda"
         self.lag = 1 if self.is_cuda else 0
         self._tables = [torch.zeros(self.world, SIGNAL_WIDTH, dtype=torch.int64, device=dev)
@@ -167,8 +167,8 @@ class RankAgreement:
         if self._alarm:
             mine[CODE:CODE + 1] |= ALARM_BIT
         if batch is not None:
-            mine[DIGEST:DIGEST + 1].copy_(chain_digest(self.canary.canary, batch.req_pool_indices, batch.extend_lens,
-                                                       batch.out_cache_loc))
+            mine[DIGEST:DIGEST + 1].copy_(chain_digest(self.canary.state.records, batch.req_pool_indices,
+                                                       batch.extend_lens, batch.out_cache_loc))
         mine[STEP].fill_(step)
         self._alarm = False
         work = dist.all_reduce(table, group=self.group, async_op=True)

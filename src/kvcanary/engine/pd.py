@@ -127,7 +127,7 @@ class KVTransfer:
             k_buf.index_copy_(0, index, payload.k[layer].to(dev, non_blocking=True))
             v_buf.index_copy_(0, index, payload.v[layer].to(dev, non_blocking=True))
         if self.decode_canary is not None and payload.records is not None:
-            self.decode_canary.canary.index_copy_(0, index, payload.records.to(dev, non_blocking=True))
+            self.decode_canary.state.records.index_copy_(0, index, payload.records.to(dev, non_blocking=True))
             self.decode_canary.verify_landed(dst.to(dev))  # in page-table order: a misplaced row is caught
         inserted = decode.tree.insert(payload.token_ids, dst)
         if decode.host_tier is not None:

@@ -45,7 +45,7 @@ class StaleTransferWrite(TransferFault):
         table, rows = batch.req_to_token, batch.req_pool_indices.tolist()
         read = {int(table[rows[i], p]): p for i, _, prefix, _ in self.batch_requests(batch)
                 for p in range(1, prefix)}
-        words = record_words(self.canary.canary)
+        words = record_words(self.canary.state.records)
         for payload, dst, gone in self._sent:
             stale = record_words(payload.records)
             hits = [i for i, s in enumerate(dst.tolist()) if s in gone and s in read
@@ -57,7 +57,7 @@ class StaleTransferWrite(TransferFault):
             for layer, (k_buf, v_buf) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
                 k_buf.index_copy_(0, index, payload.k[layer, hits].to(k_buf.device))
                 v_buf.index_copy_(0, index, payload.v[layer, hits].to(v_buf.device))
-            self.canary.canary.index_copy_(0, index, payload.records[hits].to(self.canary.canary.device))
+            self.canary.state.records.index_copy_(0, index, payload.records[hits].to(self.canary.state.device))
             slots = [int(dst[i]) for i in hits]
             self.record(step, slots[0], f"transfer of request={payload.request_id} landed late on {len(hits)} slot(s) "
                                         f"freed and reused since: {slots[:8]}", set(slots))

@@ -74,7 +74,7 @@ class StampCorruption(SequenceFault, RequestFault):
             successors |= {int(row[q + 1]) for q in hits if q + 1 < n + e}
             writers += [(rid_j, n) for q in hits if q == n - 1 and e > 0]
         bit = self.rng.randrange(64)
-        words = record_words(self.canary.canary)
+        words = record_words(self.canary.state.records)
         before = int(words[slot, self.field.word]) & MASK64
         after = before ^ (1 << bit)
         words[slot, self.field.word] = to_signed(after)

@@ -11,22 +11,28 @@ elsewhere). Every op is exported here under its public name; the modules are int
 | stamp                   | stamp.py       | write records for the slots a forward writes (prefix scan)   |
 | fingerprint             | fingerprint.py | hash the K/V bytes of slots, from one or more KV sources     |
 | check_forward           | check.py       | HEAD or TAIL as one fused launch (plan + verify + stamp)     |
+
+Every op that writes records or reports takes ``state=``, one ``DeviceState`` (state.py: records,
+violation ring and counter, stats, error flags, workspaces), allocated by ``DeviceState.allocate``.
 """
 
 from __future__ import annotations
 
 from kvcanary.ops._common import HAS_TRITON, Backend
-from kvcanary.ops.check import Workspace, check_forward
+from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import offsets_from_lengths, scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
+from kvcanary.ops.state import DeviceFlag, DeviceState, Workspace
 from kvcanary.ops.verify import verify
 
 __all__ = [
     "HAS_TRITON",
     "Backend",
+    "DeviceFlag",
+    "DeviceState",
     "FingerprintMode",
     "KVSource",
     "Plan",

@@ -12,6 +12,8 @@ import enum
 
 import torch
 
+from kvcanary.errors import InputError, InputTypeError
+
 try:  # Triton is optional on platforms without wheels (macOS laptops): the torch path serves.
     import triton
     import triton.language as tl
@@ -43,42 +45,90 @@ def use_triton(backend: Backend, device: torch.device) -> bool:
         return False
     if backend is Backend.TRITON or device.type == "cuda":
         if not HAS_TRITON:
-            raise RuntimeError("the Triton backend was requested but triton is not installed; "
+            raise InputError("the Triton backend was requested but triton is not installed; "
                                "install triton or pass backend=Backend.TORCH")
         return True
     return False
 
 
 def check_tensor(name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
-    """TypeError for a non-tensor or wrong dtype, ValueError for a wrong rank; returns ``t``."""
+    """InputTypeError for a non-tensor or wrong dtype, InputError for a wrong rank; returns ``t``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
         want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} dtype {str(t.dtype).removeprefix('torch.')} != {want}")
+        raise InputTypeError(f"{name} dtype {str(t.dtype).removeprefix('torch.')} != {want}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise InputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     return t
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     device = items[0][1].device
+    for k, v in items:
+        if v.device.type == "meta":
+            raise InputError(f"{k} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
     for k, v in items[1:]:
         if v.device != device:
-            raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
+            raise InputError(f"{k} is on {v.device} but {items[0][0]} is on {device}; put all inputs on one device")
     return device
 
 
 def check_len(name: str, t: torch.Tensor, expected: int, what: str) -> None:
     if t.shape[0] != expected:
-        raise ValueError(f"{name} length {t.shape[0]} != {what} ({expected})")
+        raise InputError(f"{name} length {t.shape[0]} != {what} ({expected})")
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
+        raise InputError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
+
+
+def check_table(name: str, t: torch.Tensor) -> None:
+    """A 2-D table the kernels index as ``ptr + row * stride(0) + col``: at least one row (row 0
+    is padding) and one column, unit column stride, rows that do not overlap."""
+    rows, width = t.shape
+    if rows < 1 or width < 1:
+        raise InputError(f"{name} shape {tuple(t.shape)} must have at least 1 row and 1 column "
+                         "(row 0 is the padding row)")
+    if (width > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < width):
+        raise InputError(f"{name} must have unit column stride and non-overlapping rows, got strides {t.stride()} "
+                         f"for shape {tuple(t.shape)}; pass {name}.contiguous()")
+
+
+def check_buffers(owner: str, obj, dtypes: dict[str, torch.dtype], lengths: dict[str, int], what: str) -> None:
+    """The 1-D buffers of a hand-buildable dataclass (``owner``: its name): each of its dtype,
+    contiguous, on the device of the first, of the length in ``lengths`` (``what`` names the
+    sizes they follow)."""
+    first = None
+    for name, dtype in dtypes.items():
+        t = check_tensor(f"{owner}.{name}", getattr(obj, name), dtype, 1)
+        if not t.is_contiguous():
+            raise InputError(f"{owner}.{name} must be contiguous, got strides {t.stride()}; use {owner}.allocate")
+        first = first if first is not None else (name, t.device)
+        if t.device != first[1]:
+            raise InputError(f"{owner}.{name} is on {t.device} but {owner}.{first[0]} is on {first[1]}")
+    for name, n in lengths.items():
+        if getattr(obj, name).shape[0] != n:
+            raise InputError(f"{owner}.{name} length {getattr(obj, name).shape[0]} != {n} ({what}); "
+                             f"use {owner}.allocate")
+
+
+def check_count(name: str, value, lo: int = 1) -> int:
+    """A size argument: an int >= ``lo`` (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo:
+        raise InputError(f"{name} {value} < {lo}")
+    return value
+
+
+def check_programs(max_programs) -> None:
+    """A persistent grid's program cap: an int in [1, 65535]."""
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= 65535:
+        raise InputError(f"max_programs {max_programs!r} out of range [1, 65535]")
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -50,11 +50,12 @@ def seg_add(f1, v1, f2, v2):
 def append_violations(ring_ptr, counter_ptr, capacity, bad, tag, slot, stored_pos, stored_tok, expected_tok,
                       stored_val, expected_val, reasons):
     """Append one 8-int64 row per lane where ``bad`` to the fill-once ring: one atomic add per
-    program claims a run of rows; rows at index >= capacity are dropped but stay counted."""
+    program claims a run of rows; rows at index >= capacity are dropped but stay counted, and so
+    are rows at a negative index (a counter that was negative or wrapped past 2**63)."""
     n_bad = tl.sum(bad.to(tl.int64), 0)
     base = tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
     idx = base + tl.cumsum(bad.to(tl.int64), 0) - 1
-    ok = bad & (idx < capacity)
+    ok = bad & (idx >= 0) & (idx < capacity)
     row = ring_ptr + idx * 8
     tl.store(row + 0, tl.zeros_like(idx) + tag, mask=ok)
     tl.store(row + 1, slot.to(tl.int64), mask=ok)

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, VIOLATION_ROW_WIDTH
-from kvcanary.ops._common import check_same_device, check_tensor
+from kvcanary.core.record import NUM_LAUNCH_TAGS
+from kvcanary.errors import InputError, InputTypeError
+from kvcanary.ops._common import is_host
+from kvcanary.ops.state import check_state
 
 
-def validate_ring(ring, ring_counter, stats, tag: int) -> None:
-    check_tensor("ring", ring, torch.int64, 2)
-    if ring.shape[1] != VIOLATION_ROW_WIDTH or not ring.is_contiguous():
-        raise ValueError(f"ring must be a contiguous int64[capacity, {VIOLATION_ROW_WIDTH}], got shape "
-                         f"{tuple(ring.shape)}; allocate it with core.record.new_ring")
-    check_tensor("ring_counter", ring_counter, torch.int64, 1)
-    check_tensor("stats", stats, torch.int64, 2)
-    if tuple(stats.shape) != (NUM_LAUNCH_TAGS, NUM_STATS):
-        raise ValueError(f"stats shape {tuple(stats.shape)} != ({NUM_LAUNCH_TAGS}, {NUM_STATS}); "
-                         "allocate it with core.record.new_stats")
-    if not 0 <= int(tag) < NUM_LAUNCH_TAGS:
-        raise ValueError(f"tag {int(tag)} out of range [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
-    check_same_device(ring=ring, ring_counter=ring_counter, stats=stats)
+def validate_ring(state, tag: int) -> int:
+    """The state (per-call identity check) and the launch tag; on the host also the counter's
+    value. Returns the tag as an int."""
+    check_state(state)
+    try:
+        tag = operator.index(tag)
+    except TypeError:
+        raise InputTypeError(f"tag must be an int (LaunchTag(...).value), got {type(tag).__name__}") from None
+    if not 0 <= tag < NUM_LAUNCH_TAGS:
+        raise InputError(f"tag {tag} out of range [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
+    if is_host(state.ring_counter) and int(state.ring_counter[0]) < 0:
+        raise InputError(f"state.ring_counter {int(state.ring_counter[0])} < 0; a ring counter only grows from 0")
+    return tag
 
 
 def append_violations_torch(ring, ring_counter, bad, tag, cols: list[torch.Tensor]) -> None:
@@ -30,7 +34,7 @@ def append_violations_torch(ring, ring_counter, bad, tag, cols: list[torch.Tenso
     if k == 0:
         return
     base = int(ring_counter[0])
-    keep = max(min(k, ring.shape[0] - base), 0)
+    keep = max(min(k, ring.shape[0] - base), 0) if base >= 0 else 0
     if keep:
         rows = torch.stack([torch.full((k,), int(tag), dtype=torch.int64, device=ring.device)]
                            + [c[idx].to(torch.int64) for c in cols], dim=1)

@@ -8,7 +8,7 @@ overflows and every prefix entry is checked whatever its count.
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
-| canary            | uint8[num_slots, 32] | records, read and (stamp / record) written in place   |
+| state             | DeviceState          | records read, written (stamp / record); ring, stats   |
 | req_pool_indices  | int64[bs]            | page-table row per request; row 0 = padding           |
 | prefix_lens       | int64[bs]            | positions already cached (read)                       |
 | extend_lens       | int64[bs]            | tokens this forward writes                            |
@@ -35,11 +35,10 @@ the epoch: one ``Workspace`` per stream of launches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvcanary.core.record import RECORD_BYTES, record_words
+from kvcanary.core.record import LaunchPoint, record_words
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -60,88 +59,57 @@ from kvcanary.ops.fingerprint import (
     block_words,
     fingerprint,
     fold_sources,
-    source_meta,
     source_words,
+    validate_meta,
     validate_sources,
 )
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
+from kvcanary.ops.state import WRITE_BLOCK, DeviceState, Workspace
 from kvcanary.ops.verify import check_entries, verify
 
-WRITE_BLOCK = 1024
 RECORD_BLOCK = 128
+MAX_SPLIT = 1024  # programs per request verifying its prefix
 TARGET_PROGRAMS = 1024
 _SYNC_TICKET, _SYNC_PRE_DONE, _SYNC_FINISHED, _SYNC_EPOCH = range(4)
 
 
-@dataclass(frozen=True)
-class Workspace:
-    """Device scratch of ``check_forward``'s kernel: launch sync words, write offsets and seeds,
-    and the look-back state of up to ``max_tokens`` written tokens. Allocate once, outside any
-    CUDA-graph capture."""
-
-    sync: torch.Tensor  # int64[4]: ticket, pre-phase done, finished, epoch
-    write_offsets: torch.Tensor  # int64[max_bs + 1]
-    seed: torch.Tensor  # int64[max_bs]
-    block_sum: torch.Tensor  # int64[2 * max_blocks]: per write block, its aggregate and its inclusive sum
-    block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive)
-
-    @classmethod
-    def allocate(cls, max_bs: int, max_tokens: int, device: torch.device | str = "cpu") -> Workspace:
-        if max_bs < 1:
-            raise ValueError(f"max_bs {max_bs} < 1")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens {max_tokens} < 1")
-        i64 = dict(dtype=torch.int64, device=device)
-        blocks = cdiv(max_tokens, WRITE_BLOCK)
-        return cls(torch.zeros(4, **i64), torch.zeros(max_bs + 1, **i64), torch.full((max_bs,), -1, **i64),
-                   torch.zeros(2 * blocks, **i64), torch.zeros(blocks, **i64))
-
-    @property
-    def max_bs(self) -> int:
-        return self.seed.shape[0]
-
-    @property
-    def max_tokens(self) -> int:
-        return self.block_flag.shape[0] * WRITE_BLOCK
-
-
-def validate_check(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
-                   out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, sources, workspace):
-    check_tensor("canary", canary, torch.uint8, 2)
-    if canary.shape[1] != RECORD_BYTES:
-        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+def validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                   out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode):
+    tag = validate_ring(state, tag)
+    canary = state.records
+    if not isinstance(mode, FingerprintMode):
+        raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
     for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
         check_tensor(name, t, torch.int64, 1)
     n = input_ids.shape[0]
     check_len("positions", positions, n, "len(input_ids)")
     check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
-    validate_ring(ring, ring_counter, stats, tag)
-    device = check_same_device(canary=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
-                               positions=positions, out_cache_loc=out_cache_loc, ring=ring)
     validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+    device = check_same_device(records=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
+                               positions=positions, out_cache_loc=out_cache_loc)
     if is_host(extend_lens) and int(extend_lens.sum()) != n:
-        raise ValueError(f"extend_lens sum {int(extend_lens.sum())} != len(input_ids) ({n})")
+        raise InputError(f"extend_lens sum {int(extend_lens.sum())} != len(input_ids) ({n})")
     validate_sources(sources, canary.shape[0], device)
+    workspace = state.workspace(LaunchPoint.HEAD if stamp else LaunchPoint.TAIL)
     if workspace is not None:
-        if not isinstance(workspace, Workspace):
-            raise TypeError(f"workspace must be a Workspace, got {type(workspace).__name__}")
         bs = req_pool_indices.shape[0]
         if workspace.max_bs < bs:
-            raise ValueError(f"workspace max_bs {workspace.max_bs} < bs ({bs})")
+            raise InputError(f"state workspace max_bs {workspace.max_bs} < bs ({bs}); allocate the state with "
+                             "DeviceState.allocate(..., max_bs=...) of at least the batch size")
         if workspace.max_tokens < n:
-            raise ValueError(f"workspace max_tokens {workspace.max_tokens} < len(input_ids) ({n})")
-        if workspace.sync.device != device:
-            raise ValueError(f"workspace on {workspace.sync.device} but canary on {device}")
-    return device
+            raise InputError(f"state workspace max_tokens {workspace.max_tokens} < len(input_ids) ({n}); allocate "
+                             "the state with DeviceState.allocate(..., max_tokens=...) of at least the tokens written")
+    return tag, workspace
 
 
 # --- torch path: the sequence of ops it replaces -----------------------------------------------
 
-def _check_torch(canary, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, window, ring,
-                 counter, stats, tag, stamp, sources, mode, meta):
+def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, window, tag, stamp,
+                 sources, mode, meta):
+    canary = state.records
     bs, (rows, max_ctx) = rpi.shape[0], rtt.shape
     active = (rpi >= 1) & (rpi < rows)
     p_end = prefix_lens.clamp(0, max_ctx)
@@ -150,8 +118,7 @@ def _check_torch(canary, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, trut
     plan = Plan.allocate(max(entries, 1), max(bs, 1), canary.device)
     build_plan(req_pool_indices=rpi, prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=rtt, plan=plan,
                truth=truth, truth_lens=truth_lens, lut=lut, window=window, backend=Backend.TORCH)
-    verify(canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=tag, sources=sources,
-           mode=mode, meta=meta, backend=Backend.TORCH)
+    verify(state=state, plan=plan, tag=tag, sources=sources, mode=mode, meta=meta, backend=Backend.TORCH)
     woff = plan.write_offsets[: bs + 1]
     if stamp:
         expected = None
@@ -159,11 +126,11 @@ def _check_torch(canary, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, trut
             expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=rpi,
                                               prefix_lens=prefix_lens, extend_offsets=woff, input_ids=ids,
                                               backend=Backend.TORCH)
-        stamp_op(canary=canary, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
-                 prefix_lens=prefix_lens, write_offsets=woff, seed=plan.seed[:bs], ring=ring, ring_counter=counter,
-                 stats=stats, tag=tag, expected_tokens=expected, lut=lut, backend=Backend.TORCH)
+        stamp_op(state=state, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
+                 prefix_lens=prefix_lens, write_offsets=woff, seed=plan.seed[:bs], tag=tag, expected_tokens=expected,
+                 lut=lut, backend=Backend.TORCH)
     elif sources:
-        fingerprint(slots=_translate_torch(loc, lut), sources=sources, mode=mode, canary=canary, record=True,
+        fingerprint(slots=_translate_torch(loc, lut), sources=sources, mode=mode, state=state, record=True,
                     meta=meta, backend=Backend.TORCH)
 
 
@@ -230,29 +197,34 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
 
 
 @triton.jit
-def _look_back(sum_ptr, flag_ptr, b, epoch4):
+def _look_back(sum_ptr, flag_ptr, b, epoch4, max_spins):
     """Carry into write block b + 1: walk back from block b over published aggregates until a
-    block that holds a segment start or has its inclusive sum (block 0 always has)."""
+    block that holds a segment start or has its inclusive sum (block 0 always has). Gives up
+    after ``max_spins`` polls without progress; returns (carry, done)."""
     carry = tl.zeros((), dtype=tl.uint64)
     go = b >= 0
-    while go:
+    spins = tl.zeros((), dtype=tl.int64)
+    while go & (spins < max_spins):
         f = tl.atomic_add(flag_ptr + b, 0, sem="acquire")
+        spins += 1
         if f > epoch4:  # the aggregate (slot 2b) or, once published, the inclusive sum (slot 2b + 1)
             word = 2 * b + (f == epoch4 + 3).to(tl.int64)
             carry += tl.load(sum_ptr + word, volatile=True).to(tl.uint64, bitcast=True)
             go = (f == epoch4 + 1) & (b > 0)
             b -= 1
-    return carry
+            spins = spins * 0
+    return carry, go == 0
 
 
 @triton.jit
 def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
-                 woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, w0_ptr, w1_ptr, w2_ptr,
-                 w3_ptr, meta_ptr, w, epoch4, n, bs, rows, lut_len, truth_stride, truth_width, num_slots, ring_cap,
-                 tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
+                 woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, w0_ptr, w1_ptr,
+                 w2_ptr, w3_ptr, meta_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride, truth_width,
+                 num_slots, ring_cap, tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
                  NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """HEAD: stamp written tokens [w*BLOCK, (w+1)*BLOCK) (``stamp`` with ``gather``'s expected
-    tokens); TAIL: record their fingerprints."""
+    tokens); TAIL: record their fingerprints. A look-back that gives up (a stale workspace) raises
+    the WORKSPACE error flag and leaves its block unstamped and unpublished."""
     block_start = w * BLOCK
     lane = tl.arange(0, BLOCK).to(tl.int64)
     t = block_start + lane
@@ -276,16 +248,21 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
         s0 = tl.load(woff_ptr + tl.minimum(r0, bs), mask=r0 < bs, other=block_start)
         open_seg = (r0 < bs) & (s0 < block_start)
         carry = tl.zeros((), dtype=tl.uint64)
+        found = w >= 0
         if w > 0:
             tl.atomic_xchg(sum_ptr + 2 * w, agg.to(tl.int64, bitcast=True))
             tl.debug_barrier()
             tl.atomic_xchg(flag_ptr + w, epoch4 + 1 + any_start, sem="release")
             if open_seg | (any_start == 0):
-                carry = _look_back(sum_ptr, flag_ptr, w - 1, epoch4)
-        inclusive = tl.where(any_start != 0, agg, carry + agg)
-        tl.atomic_xchg(sum_ptr + 2 * w + 1, inclusive.to(tl.int64, bitcast=True))
-        tl.debug_barrier()
-        tl.atomic_xchg(flag_ptr + w, epoch4 + 3, sem="release")
+                carry, found = _look_back(sum_ptr, flag_ptr, w - 1, epoch4, max_spins)
+        if found:
+            inclusive = tl.where(any_start != 0, agg, carry + agg)
+            tl.atomic_xchg(sum_ptr + 2 * w + 1, inclusive.to(tl.int64, bitcast=True))
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_ptr + w, epoch4 + 3, sem="release")
+        else:
+            tl.atomic_or(err_ptr, 4)
+        has = tl.where(found != 0, has, tl.zeros_like(has))
         excl += tl.where((r == r0) & open_seg, carry, 0)
         slot = tl.load(loc_ptr + t, mask=live, other=0)
         if HAS_LUT:
@@ -315,18 +292,21 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
 
 # every integer argument varies with the batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
-                               "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid"])
+                               "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid",
+                               "max_spins"])
 def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
-                  pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr, flag_ptr,
-                  w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
-                  truth_width, window, num_slots, ring_cap, tag, split, n_verify, grid, STAMP: tl.constexpr,
-                  HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+                  pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
+                  flag_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len,
+                  truth_stride, truth_width, window, num_slots, ring_cap, tag, split, n_verify, grid, max_spins,
+                  STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
+                  NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
     epoch4 = tl.atomic_add(sync_ptr + 3, 0) * 4
-    if ticket == 0:
+    if (ticket < 0) | (ticket >= grid):  # a stale workspace: this program has no role
+        tl.atomic_or(err_ptr, 4)
+    elif ticket == 0:
         if STAMP:
             _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_ptr, bs, rows, max_ctx,
                      rtt_stride, lut_len, HAS_LUT, 1024)
@@ -343,12 +323,18 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
         done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        while done < n_verify + 1:
+        spins = tl.zeros((), dtype=tl.int64)
+        while (done < n_verify + 1) & (spins < max_spins):  # bounded: a stale count must not hang the stream
             done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr, woff_ptr,
-                     seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr,
-                     meta_ptr, ticket - 1 - n_verify, epoch4, n, bs, rows, lut_len, truth_stride, truth_width,
-                     num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH, NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
+            spins += 1
+        if done == n_verify + 1:
+            _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
+                         woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, w0_ptr,
+                         w1_ptr, w2_ptr, w3_ptr, meta_ptr, ticket - 1 - n_verify, epoch4, max_spins, n, bs, rows,
+                         lut_len, truth_stride, truth_width, num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH,
+                         NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
+        else:  # the verifiers never all reported (or more did than exist): a stale workspace
+            tl.atomic_or(err_ptr, 4)
     tl.debug_barrier()
     finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
     if finished == grid - 1:  # the last one out: reset the counters, open the next epoch
@@ -362,64 +348,70 @@ def verify_split(bs: int, max_ctx: int, block: int) -> int:
     return max(1, min(cdiv(max_ctx, block), cdiv(TARGET_PROGRAMS, max(bs, 1))))
 
 
-def check_forward(*, canary: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                   extend_lens: torch.Tensor, req_to_token: torch.Tensor, input_ids: torch.Tensor,
-                  positions: torch.Tensor, out_cache_loc: torch.Tensor, ring: torch.Tensor,
-                  ring_counter: torch.Tensor, stats: torch.Tensor, tag: int, stamp: bool,
+                  positions: torch.Tensor, out_cache_loc: torch.Tensor, tag: int, stamp: bool,
                   truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None, sources=(),
                   mode: FingerprintMode = FingerprintMode.NONE, meta: torch.Tensor | None = None,
-                  lut: torch.Tensor | None = None, window: int = 0, workspace: Workspace | None = None,
-                  split: int | None = None, backend: Backend = Backend.AUTO) -> None:
-    """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc). Never
-    raises on values; raises TypeError / ValueError for wrong dtypes, shapes, devices, ring or
-    stats layout, sources, or a workspace too small. ``workspace`` is allocated when None (pass
-    one inside CUDA-graph capture). ``split``: programs per request verifying its prefix (None:
+                  lut: torch.Tensor | None = None, window: int = 0, split: int | None = None,
+                  max_spins: int | None = None, backend: Backend = Backend.AUTO) -> None:
+    """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc) on ``state``.
+    Never raises on values; raises InputTypeError / InputError for wrong dtypes, shapes, devices,
+    sources, meta, tag or a state whose workspace is too small, before anything is written. The
+    kernel uses the state's HEAD or TAIL workspace (a fresh one per call when the state has none,
+    which is not capturable). ``split``: programs per request verifying its prefix (None:
     ``verify_split`` on CUDA, 1 elsewhere, where the Triton interpreter runs programs one by one);
-    the results do not depend on it."""
+    the results do not depend on it. ``max_spins``: polls a waiting program makes before it gives
+    up and raises ``DeviceFlag.WORKSPACE`` in ``state.error`` (None: 2**24 on CUDA, seconds of
+    waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits)."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
-    device = validate_check(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
-                            out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, sources,
-                            workspace)
-    tag = int(tag)
-    if not use_triton(backend, device):
-        _check_torch(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
-                     out_cache_loc, truth, truth_lens, lut, window, ring, ring_counter, stats, tag, stamp, sources,
-                     mode, meta)
-        return
-    for name, t in (("canary", canary), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+    tag, workspace = validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids,
+                                    positions, out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources,
+                                    mode)
+    device = state.device
+    meta = validate_meta(meta, sources, mode, device)
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("extend_lens", extend_lens), ("input_ids", input_ids), ("positions", positions),
                     ("out_cache_loc", out_cache_loc), ("truth_lens", truth_lens), ("lut", lut)):
         if t is not None:
             check_contiguous(name, t)
     for name, t in (("req_to_token", req_to_token), ("truth", truth)):
-        if t is not None and t.stride(1) != 1:
-            raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+        if t is not None and t.numel() and t.stride(1) != 1:
+            raise InputError(f"{name} must have unit column stride, got strides {t.stride()}")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= MAX_SPLIT):
+        raise InputError(f"split {split!r} out of range [1, {MAX_SPLIT}]; pass None (verify_split) or a positive int")
+    if max_spins is not None and (isinstance(max_spins, bool) or not isinstance(max_spins, int)
+                                  or not 1 <= max_spins < 2**62):
+        raise InputError(f"max_spins {max_spins!r} out of range [1, 2**62); pass None for the default")
+    if not use_triton(backend, device):
+        _check_torch(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                     out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta)
+        return
     n, bs = input_ids.shape[0], req_pool_indices.shape[0]
     rows, max_ctx = req_to_token.shape
     if workspace is None:
         workspace = Workspace.allocate(max(bs, 1), max(n, 1), device)
+    if max_spins is None:
+        max_spins = 1 << 24 if device.type == "cuda" else 64
     fp_sources = sources
     block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
         if fp_sources else 512
     if split is None:
         split = verify_split(bs, max_ctx, block_v) if device.type == "cuda" else 1
-    elif split < 1:
-        raise ValueError(f"split {split} < 1")
     n_verify = bs * split
     # HEAD: 1024 tokens a program (the look-back scan); TAIL: 128 fingerprints a program (4 tiles of 32)
     block_t = WRITE_BLOCK if stamp else RECORD_BLOCK
     n_write = cdiv(n, block_t) if (stamp or fp_sources) else 0
     grid = 1 + n_verify + n_write
-    meta = source_meta(fp_sources, mode, device) if meta is None and fp_sources else meta
     truth_t = truth if truth is not None else req_to_token
     _check_kernel[(grid,)](
-        record_words(canary), req_pool_indices, prefix_lens, extend_lens, req_to_token,
+        record_words(state.records), req_pool_indices, prefix_lens, extend_lens, req_to_token,
         lut if lut is not None else workspace.seed, truth_t, truth_lens if truth_lens is not None else prefix_lens,
-        input_ids, positions, out_cache_loc, ring, ring_counter, stats, workspace.sync, workspace.write_offsets,
-        workspace.seed, workspace.block_sum, workspace.block_flag,
+        input_ids, positions, out_cache_loc, state.ring, state.ring_counter, state.stats, state.error,
+        workspace.sync, workspace.write_offsets, workspace.seed, workspace.block_sum, workspace.block_flag,
         *source_words(fp_sources, workspace.seed), meta if meta is not None else workspace.sync,
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
-        truth_t.shape[1], window, canary.shape[0], ring.shape[0], tag, split, n_verify, grid,
+        truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
         STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
         NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
         BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.core.hashing import GOLDEN, MASK64, to_signed
-from kvcanary.core.record import FINGERPRINT, RECORD_BYTES, Half, record_words
+from kvcanary.core.record import FINGERPRINT, Half, record_words
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -35,11 +36,13 @@ from kvcanary.ops._common import (
     check_len,
     check_same_device,
     check_tensor,
+    is_host,
     tl,
     triton,
     use_triton,
 )
 from kvcanary.ops._jit import mix64
+from kvcanary.ops.state import DeviceState, check_state
 
 FP_SEED = 0x66696E6765727072  # "fingerpr"
 MAX_SOURCES = 4
@@ -66,21 +69,33 @@ class KVSource:
 
     def __post_init__(self):
         check_tensor("KVSource.words", self.words, torch.int32, 1)
+        if self.words.numel() > 1 and self.words.stride(0) != 1:
+            raise InputError(f"KVSource.words must be a contiguous int32 view (stride 1), got stride "
+                             f"{self.words.stride(0)}; build it with KVSource.from_buffer(buffer)")
+        if self.words.device.type == "meta":
+            raise InputError("KVSource.words is on the meta device, which holds no data")
+        for name in ("num_slots", "bytes_per_token", "page_size", "page_stride_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InputTypeError(f"KVSource.{name} must be an int, got {type(v).__name__}")
+        if self.num_slots < 1 or self.page_stride_bytes < 0:
+            raise InputError(f"KVSource num_slots {self.num_slots} must be >= 1 and page_stride_bytes "
+                             f"{self.page_stride_bytes} >= 0")
         if self.bytes_per_token <= 0 or self.bytes_per_token % 16:
-            raise ValueError(f"bytes_per_token {self.bytes_per_token} must be a positive multiple of 16")
+            raise InputError(f"bytes_per_token {self.bytes_per_token} must be a positive multiple of 16")
         if self.page_size < 1:
-            raise ValueError(f"page_size {self.page_size} < 1")
+            raise InputError(f"page_size {self.page_size} < 1")
         stride = self.page_stride_bytes or self.page_size * self.bytes_per_token
         if stride % 16 or stride < self.page_size * self.bytes_per_token:
-            raise ValueError(f"page_stride_bytes {stride} must be a multiple of 16 and >= page_size * "
+            raise InputError(f"page_stride_bytes {stride} must be a multiple of 16 and >= page_size * "
                              f"bytes_per_token ({self.page_size * self.bytes_per_token})")
         if self.words.data_ptr() % 16:
-            raise ValueError("KV source storage is not 16-byte aligned; pass the pool buffer itself, "
+            raise InputError("KV source storage is not 16-byte aligned; pass the pool buffer itself, "
                              "not an offset view")
         last = (self.num_slots - 1) // self.page_size * stride + (self.num_slots - 1) % self.page_size * \
             self.bytes_per_token + self.bytes_per_token
         if last > self.words.numel() * 4:
-            raise ValueError(f"KV source holds {self.words.numel() * 4} bytes, but {self.num_slots} slots need {last}")
+            raise InputError(f"KV source holds {self.words.numel() * 4} bytes, but {self.num_slots} slots need {last}")
 
     @property
     def page_stride(self) -> int:
@@ -96,26 +111,26 @@ class KVSource:
     def from_buffer(cls, buffer: torch.Tensor, page_size: int = 1, half: Half = Half.K, layer: int = 0) -> KVSource:
         """A source over a contiguous token-major buffer ``[num_slots, ...]`` or ``[num_pages, page_size, ...]``."""
         if not buffer.is_contiguous():
-            raise ValueError(f"KV buffer must be contiguous, got strides {buffer.stride()}")
+            raise InputError(f"KV buffer must be contiguous, got strides {buffer.stride()}")
         paged = page_size > 1 and buffer.dim() >= 2 and buffer.shape[1] == page_size
         num_slots = buffer.shape[0] * (page_size if paged else 1)
         nbytes = buffer.numel() * buffer.element_size()
         if num_slots == 0 or nbytes % num_slots:
-            raise ValueError(f"KV buffer of shape {tuple(buffer.shape)} does not split into {num_slots} token rows")
+            raise InputError(f"KV buffer of shape {tuple(buffer.shape)} does not split into {num_slots} token rows")
         return cls(buffer.view(-1).view(torch.uint8).view(torch.int32), num_slots, nbytes // num_slots, page_size,
                    0, half, layer)
 
 
 def validate_sources(sources, num_slots: int, device: torch.device) -> None:
     if len(sources) > MAX_SOURCES:
-        raise ValueError(f"{len(sources)} KV sources > {MAX_SOURCES}; cover fewer layers per fingerprint group")
+        raise InputError(f"{len(sources)} KV sources > {MAX_SOURCES}; cover fewer layers per fingerprint group")
     for i, src in enumerate(sources):
         if not isinstance(src, KVSource):
-            raise TypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
+            raise InputTypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
         if src.words.device != device:
-            raise ValueError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
+            raise InputError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
         if src.num_slots < num_slots:
-            raise ValueError(f"sources[{i}] covers {src.num_slots} slots < the canary's {num_slots}")
+            raise InputError(f"sources[{i}] covers {src.num_slots} slots < the canary's {num_slots}")
 
 
 # --- torch ---------------------------------------------------------------------------------
@@ -192,6 +207,28 @@ def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
     return meta.to(device)
 
 
+def validate_meta(meta, sources, mode: FingerprintMode, device) -> torch.Tensor | None:
+    """``meta`` as passed (or built from the sources when None): int64[4, 4], contiguous, on
+    ``device``; on the host its values must be those ``source_meta`` gives (the torch path
+    reads the sources themselves, so a stale table would make the backends disagree)."""
+    if not sources:
+        return None
+    if meta is None:
+        return source_meta(sources, mode, device)
+    check_tensor("meta", meta, torch.int64, 2)
+    if tuple(meta.shape) != (MAX_SOURCES, 4) or not meta.is_contiguous():
+        raise InputError(f"meta must be a contiguous int64[{MAX_SOURCES}, 4], got shape {tuple(meta.shape)} strides "
+                         f"{meta.stride()}; build it with source_meta(sources, mode, device)")
+    if meta.device != device:
+        raise InputError(f"meta is on {meta.device} but the state is on {device}")
+    if is_host(meta):
+        want = source_meta(sources, mode, device)
+        if not torch.equal(meta, want):
+            raise InputError(f"meta {meta[:len(sources)].tolist()} != source_meta(sources, mode) "
+                             f"{want[:len(sources)].tolist()}; rebuild it when the sources or the mode change")
+    return meta
+
+
 def block_words(sources, mode: FingerprintMode, cap: int = 128) -> int:
     """The word-tile width: the largest power of two <= cap dividing every source's words_read."""
     g = 0
@@ -228,37 +265,35 @@ def _fingerprint_kernel(slots_ptr, out_ptr, words_ptr, n, num_slots, w0_ptr, w1_
         tl.store(words_ptr + slot * 4 + 3, fp, mask=ok)
 
 
-def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, out: torch.Tensor | None = None,
-                canary: torch.Tensor | None = None, record: bool = False, meta: torch.Tensor | None = None,
+def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: DeviceState,
+                out: torch.Tensor | None = None, record: bool = False, meta: torch.Tensor | None = None,
                 backend: Backend = Backend.AUTO) -> torch.Tensor:
     """Fingerprint ``slots`` (int64[n]) into ``out`` (int64[n]); with ``record``, also store each
-    valid slot's value in its canary record. Slots <= 0 or >= num_slots give 0 and are skipped.
-
-    ``num_slots`` comes from ``canary`` (uint8[num_slots, 32]), which is required. Mode NONE
-    writes zeros. ``meta`` may pass a preallocated table from ``source_meta`` (CUDA graphs).
-    Raises TypeError/ValueError for wrong dtypes, shapes, devices or sources.
+    valid slot's value in its record of ``state.records``. Slots <= 0 or >= num_slots give 0 and
+    are skipped. Mode NONE writes zeros. ``meta`` may pass a preallocated table from
+    ``source_meta`` (CUDA graphs). Raises InputTypeError / InputError for wrong dtypes, shapes,
+    devices, sources or meta, before anything is written.
     """
+    check_state(state)
     check_tensor("slots", slots, torch.int64, 1)
-    check_tensor("canary", canary, torch.uint8, 2)
-    if canary.shape[1] != RECORD_BYTES:
-        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
     if not isinstance(mode, FingerprintMode):
-        raise TypeError(f"mode must be a FingerprintMode, got {mode!r}")
-    if out is None:
+        raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    if out is None and isinstance(slots, torch.Tensor):
         out = torch.empty_like(slots)
     check_tensor("out", out, torch.int64, 1)
     check_len("out", out, slots.shape[0], "len(slots)")
-    device = check_same_device(slots=slots, canary=canary, out=out)
+    canary = state.records
+    device = check_same_device(records=canary, slots=slots, out=out)
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     validate_sources(sources, canary.shape[0], device)
+    meta = validate_meta(meta, sources, mode, device)
+    for name, t in (("slots", slots), ("out", out)):
+        check_contiguous(name, t)
     n, num_slots = slots.shape[0], canary.shape[0]
     ok = None
     if not sources:  # mode NONE: the recorded fingerprint is 0
         out.zero_()
     elif use_triton(backend, device):
-        for name, t in (("slots", slots), ("out", out), ("canary", canary)):
-            check_contiguous(name, t)
-        meta = source_meta(sources, mode, device) if meta is None else meta
         block_w = block_words(sources, mode)
         block_s = 32 if block_w > 4 else 128
         _fingerprint_kernel[(max(cdiv(n, block_s), 1),)](

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import InputError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
     check_len,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     num_bits,
@@ -40,16 +42,16 @@ from kvcanary.ops._jit import find_segment
 def validate_offsets(name: str, offsets: torch.Tensor, bs: int, total: int) -> None:
     """Length always; start/monotonic/end only for host tensors."""
     if offsets.shape[0] != bs + 1:
-        raise ValueError(f"{name} length {offsets.shape[0]} != bs+1 ({bs + 1}); "
+        raise InputError(f"{name} length {offsets.shape[0]} != bs+1 ({bs + 1}); "
                          "build it with offsets_from_lengths(lengths)")
     if is_host(offsets):
         if int(offsets[0]) != 0:
-            raise ValueError(f"{name}[0] {int(offsets[0])} != 0")
+            raise InputError(f"{name}[0] {int(offsets[0])} != 0")
         if bs and bool((offsets[1:] < offsets[:-1]).any()):
             i = int(torch.nonzero(offsets[1:] < offsets[:-1])[0]) + 1
-            raise ValueError(f"{name} decrease at index {i}: {int(offsets[i])} < {int(offsets[i - 1])}")
+            raise InputError(f"{name} decrease at index {i}: {int(offsets[i])} < {int(offsets[i - 1])}")
         if int(offsets[-1]) != total:
-            raise ValueError(f"{name}[-1] {int(offsets[-1])} != number of tokens ({total})")
+            raise InputError(f"{name}[-1] {int(offsets[-1])} != number of tokens ({total})")
 
 
 def validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_offsets, input_ids, out, shift):
@@ -62,18 +64,22 @@ def validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_off
     check_tensor("out", out, torch.int64, 1)
     device = check_same_device(truth=truth, truth_lens=truth_lens, req_pool_indices=req_pool_indices,
                                prefix_lens=prefix_lens, extend_offsets=extend_offsets, input_ids=input_ids, out=out)
+    check_table("truth", truth)
+    for name, t in (("truth_lens", truth_lens), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_offsets", extend_offsets), ("input_ids", input_ids), ("out", out)):
+        check_contiguous(name, t)
     bs, n = req_pool_indices.shape[0], input_ids.shape[0]
     check_len("truth_lens", truth_lens, bs, "bs")
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("out", out, n, "len(input_ids)")
     validate_offsets("extend_offsets", extend_offsets, bs, n)
     if shift not in (0, 1):
-        raise ValueError(f"shift {shift} not in (0, 1); use 1 only for speculative drafts")
+        raise InputError(f"shift {shift} not in (0, 1); use 1 only for speculative drafts")
     if is_host(req_pool_indices):
         bad = (req_pool_indices < 0) | (req_pool_indices >= truth.shape[0])
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
-            raise ValueError(f"req_pool_indices[{i}] = {int(req_pool_indices[i])} out of range [0, {truth.shape[0]})")
+            raise InputError(f"req_pool_indices[{i}] = {int(req_pool_indices[i])} out of range [0, {truth.shape[0]})")
     return device
 
 
@@ -132,12 +138,6 @@ def gather_expected_tokens(*, truth: torch.Tensor, truth_lens: torch.Tensor, req
     device = validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_offsets, input_ids, out,
                              shift)
     if use_triton(backend, device):
-        if truth.stride(1) != 1:
-            raise ValueError(f"truth must have unit column stride, got strides {truth.stride()}")
-        for name, t in (("truth_lens", truth_lens), ("req_pool_indices", req_pool_indices),
-                        ("prefix_lens", prefix_lens), ("extend_offsets", extend_offsets), ("input_ids", input_ids),
-                        ("out", out)):
-            check_contiguous(name, t)
         n, bs = input_ids.shape[0], req_pool_indices.shape[0]
         block = 1024
         _gather_kernel[(max(cdiv(n, block), 1),)](

@@ -30,12 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    check_buffers,
     check_contiguous,
+    check_count,
     check_len,
+    check_programs,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     num_bits,
@@ -62,12 +67,21 @@ class Plan:
     write_offsets: torch.Tensor
     seed: torch.Tensor
 
+    def __post_init__(self):
+        """Every buffer 1-D, contiguous, of its dtype, on one device; entry buffers of one length
+        >= 1; scalars of length 1; offsets of length max_bs + 1 (a hand-built plan included)."""
+        check_buffers("Plan", self, dict(_PLAN_FIELDS), {}, "")
+        cap, max_bs = self.slot.shape[0], self.seed.shape[0]
+        if cap < 1 or max_bs < 1:
+            raise InputError(f"Plan capacity {cap} and max_bs {max_bs} must be >= 1; use Plan.allocate")
+        check_buffers("Plan", self, {}, dict(pred=cap, position=cap, token=cap, count=1, enable=1, overflow=1,
+                                             verify_offsets=max_bs + 1, write_offsets=max_bs + 1),
+                      f"capacity {cap}, max_bs {max_bs}")
+
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
-        if capacity < 1:
-            raise ValueError(f"plan capacity {capacity} < 1")
-        if max_bs < 1:
-            raise ValueError(f"plan max_bs {max_bs} < 1")
+        check_count("plan capacity", capacity)
+        check_count("plan max_bs", max_bs)
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros(capacity, **i32), torch.full((capacity,), -1, **i32), torch.zeros(capacity, **i32),
@@ -84,15 +98,28 @@ class Plan:
         return self.seed.shape[0]
 
 
-def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
+_PLAN_FIELDS = (("slot", torch.int32), ("pred", torch.int32), ("position", torch.int32), ("token", torch.int32),
+                ("count", torch.int64), ("enable", torch.int32), ("overflow", torch.int64),
+                ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64))
+
+
+def validate_plan_buffers(plan, device: torch.device) -> None:
+    """A Plan (validated when built) on ``device`` whose buffers still have their shapes."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
-    device = validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+        raise InputTypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
     if plan.slot.device != device:
-        raise ValueError(f"plan on {plan.slot.device} but req_pool_indices on {device}")
+        raise InputError(f"plan is on {plan.slot.device} but the state is on {device}")
+    cap = plan.capacity
+    if any(getattr(plan, n).shape[0] != cap for n in ("pred", "position", "token")) or plan.count.shape[0] != 1:
+        raise InputError("plan buffers were resized since the Plan was built; use Plan.allocate")
+
+
+def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
+    device = validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+    validate_plan_buffers(plan, device)
     bs = req_pool_indices.shape[0]
     if bs > plan.max_bs:
-        raise ValueError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
+        raise InputError(f"batch size {bs} > plan max_bs ({plan.max_bs}); allocate the plan with a larger max_bs")
     return device
 
 
@@ -104,16 +131,24 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
     check_tensor("extend_lens", extend_lens, torch.int64, 1)
     check_tensor("req_to_token", req_to_token, torch.int32, 2)
     if (truth is None) != (truth_lens is None):
-        raise ValueError("truth and truth_lens go together: pass both or neither")
+        raise InputError("truth and truth_lens go together: pass both or neither")
     if truth is not None:
         check_tensor("truth", truth, torch.int32, 2)
         check_tensor("truth_lens", truth_lens, torch.int64, 1)
     if lut is not None:
         check_tensor("lut", lut, torch.int64, 1)
-    if window < 0:
-        raise ValueError(f"window {window} < 0; use 0 for full attention")
+        if lut.shape[0] < 1:
+            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_window(window)
     device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                req_to_token=req_to_token, truth=truth, truth_lens=truth_lens, lut=lut)
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_lens", extend_lens), ("truth_lens", truth_lens), ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
+    check_table("req_to_token", req_to_token)
+    if truth is not None:
+        check_table("truth", truth)
     bs = req_pool_indices.shape[0]
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("extend_lens", extend_lens, bs, "bs")
@@ -121,17 +156,29 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
         check_len("truth_lens", truth_lens, bs, "bs")
     rows, max_ctx = req_to_token.shape
     if truth is not None and truth.shape[0] != rows:  # a shape: checked on every device
-        raise ValueError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
+        raise InputError(f"truth rows {truth.shape[0]} != req_to_token rows ({rows})")
     if is_host(req_pool_indices):
         for name, bad in (("req_pool_indices", (req_pool_indices < 0) | (req_pool_indices >= rows)),
-                          ("prefix_lens", prefix_lens < 0), ("extend_lens", extend_lens < 0),
-                          ("prefix_lens + extend_lens", prefix_lens + extend_lens > max_ctx)):
+                          ("prefix_lens", (prefix_lens < 0) | (prefix_lens > max_ctx)),
+                          ("extend_lens", extend_lens < 0),
+                          # compared without the sum, which wraps for lengths near 2**63
+                          ("prefix_lens + extend_lens", extend_lens > max_ctx - prefix_lens)):
             if bool(bad.any()):
                 i = int(torch.nonzero(bad)[0])
-                raise ValueError(f"{name}[{i}] out of range (req_pool_indices {int(req_pool_indices[i])}, "
+                raise InputError(f"{name}[{i}] out of range (req_pool_indices {int(req_pool_indices[i])}, "
                                  f"prefix_lens {int(prefix_lens[i])}, extend_lens {int(extend_lens[i])}; "
                                  f"rows {rows}, max_ctx {max_ctx})")
     return device
+
+
+def check_window(window) -> int:
+    """The sliding window of a pool: an int in [0, 2**62) (0 = full attention)."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise InputTypeError(f"window must be an int, got {type(window).__name__}; use 0 for full attention")
+    if not 0 <= window < 2**62:
+        raise InputError(f"window {window} < 0; use 0 for full attention" if window < 0 else
+                         f"window {window} >= 2**62; a window longer than any context is 0 (full attention)")
+    return window
 
 
 def _translate_torch(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
@@ -276,14 +323,8 @@ def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
     """
     device = validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens,
                            lut, window)
+    check_programs(max_programs)
     if use_triton(backend, device):
-        for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
-                        ("extend_lens", extend_lens), ("truth_lens", truth_lens), ("lut", lut)):
-            if t is not None:
-                check_contiguous(name, t)
-        for name, t in (("req_to_token", req_to_token), ("truth", truth)):
-            if t is not None and t.stride(1) != 1:
-                raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
         bs = req_pool_indices.shape[0]
         rows, max_ctx = req_to_token.shape
         lut_t = lut if lut is not None else plan.seed

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
     check_same_device,
+    check_table,
     check_tensor,
     is_host,
     tl,
@@ -41,11 +43,11 @@ ERR_ROWS = 2
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """``int64[bs+1]`` offsets (0, l0, l0+l1, ...) from ``lengths[bs]`` (any integer dtype)."""
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
-        raise ValueError(f"lengths must be a 1-D tensor, got {getattr(lengths, 'shape', type(lengths).__name__)}")
+        raise InputError(f"lengths must be a 1-D tensor, got {getattr(lengths, 'shape', type(lengths).__name__)}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths dtype {lengths.dtype} is not an integer dtype")
+        raise InputTypeError(f"lengths dtype {lengths.dtype} is not an integer dtype")
     if is_host(lengths) and lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"lengths must be >= 0, got min {int(lengths.min())}")
+        raise InputError(f"lengths must be >= 0, got min {int(lengths.min())}")
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
     return out
@@ -58,25 +60,28 @@ def validate_scatter(flat_in, offsets, req_pool_indices, pool_out) -> torch.devi
     check_tensor("pool_out", pool_out, torch.int32, 2)
     device = check_same_device(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
                                pool_out=pool_out)
+    for name, t in (("flat_in", flat_in), ("offsets", offsets), ("req_pool_indices", req_pool_indices)):
+        check_contiguous(name, t)
+    check_table("pool_out", pool_out)
     bs = req_pool_indices.shape[0]
     if offsets.shape[0] != bs + 1:
-        raise ValueError(f"offsets length {offsets.shape[0]} != bs+1 ({bs + 1}); "
+        raise InputError(f"offsets length {offsets.shape[0]} != bs+1 ({bs + 1}); "
                          "build offsets with offsets_from_lengths(lengths)")
     if is_host(offsets):
         n = flat_in.shape[0]
         if int(offsets[0]) != 0:
-            raise ValueError(f"offsets[0] {int(offsets[0])} != 0; offsets must start at 0")
+            raise InputError(f"offsets[0] {int(offsets[0])} != 0; offsets must start at 0")
         if bs and bool((offsets[1:] < offsets[:-1]).any()):
             i = int(torch.nonzero(offsets[1:] < offsets[:-1])[0])
-            raise ValueError(f"offsets decrease at index {i + 1}: {int(offsets[i + 1])} < {int(offsets[i])}; "
+            raise InputError(f"offsets decrease at index {i + 1}: {int(offsets[i + 1])} < {int(offsets[i])}; "
                              "offsets must be non-decreasing")
         if int(offsets[-1]) != n:
-            raise ValueError(f"offsets[-1] {int(offsets[-1])} != len(flat_in) ({n})")
+            raise InputError(f"offsets[-1] {int(offsets[-1])} != len(flat_in) ({n})")
         rows = pool_out.shape[0]
         bad = (req_pool_indices < 0) | (req_pool_indices >= rows)
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
-            raise ValueError(f"req_pool_indices[{i}] = {int(req_pool_indices[i])} out of range [0, {rows})")
+            raise InputError(f"req_pool_indices[{i}] = {int(req_pool_indices[i])} out of range [0, {rows})")
     return device
 
 
@@ -159,12 +164,10 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
     if error_flag is None:
         error_flag = torch.zeros(1, dtype=torch.int32, device=device)
     check_tensor("error_flag", error_flag, torch.int32, 1)
+    if error_flag.shape[0] != 1:
+        raise InputError(f"error_flag must be int32[1], got shape {tuple(error_flag.shape)}")
+    check_same_device(pool_out=pool_out, error_flag=error_flag)
     if use_triton(backend, device):
-        check_contiguous("flat_in", flat_in)
-        check_contiguous("offsets", offsets)
-        check_contiguous("req_pool_indices", req_pool_indices)
-        if pool_out.stride(1) != 1:
-            raise ValueError(f"pool_out must have unit column stride, got strides {pool_out.stride()}")
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
         _scatter_kernel[(programs, split)](

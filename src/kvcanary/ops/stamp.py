@@ -2,7 +2,7 @@
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
-| canary            | uint8[num_slots, 32] | records, written in place                             |
+| state             | DeviceState          | records written in place; ring, stats                 |
 | out_cache_loc     | int64[T]             | slot per written token (translated through lut)       |
 | input_ids         | int64[T]             | token written                                         |
 | positions         | int64[T]             | position written                                      |
@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from kvcanary.core.hashing import ANCHOR_S, link_torch
-from kvcanary.core.record import CHAIN, POSITION, RECORD_BYTES, STAT_STAMPED, TOKEN, Reason, record_words
+from kvcanary.core.record import CHAIN, POSITION, STAT_STAMPED, TOKEN, Reason, record_words
+from kvcanary.errors import InputError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -44,16 +45,16 @@ from kvcanary.ops._jit import append_violations, find_segment, link64, seg_add
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.gather import validate_offsets
 from kvcanary.ops.plan import _translate, _translate_torch
+from kvcanary.ops.state import DeviceState
 
 WRITE_TOKEN = int(Reason.WRITE_TOKEN)
 WRITE_POSITION = int(Reason.WRITE_POSITION)
 
 
-def validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
-                   seed, expected_tokens, lut, ring, ring_counter, stats, tag):
-    check_tensor("canary", canary, torch.uint8, 2)
-    if canary.shape[1] != RECORD_BYTES:
-        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
+def validate_stamp(state, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
+                   seed, expected_tokens, lut, tag):
+    tag = validate_ring(state, tag)
+    canary = state.records
     for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
                     ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("write_offsets", write_offsets), ("seed", seed)):
@@ -62,11 +63,9 @@ def validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices
         check_tensor("expected_tokens", expected_tokens, torch.int64, 1)
     if lut is not None:
         check_tensor("lut", lut, torch.int64, 1)
-    validate_ring(ring, ring_counter, stats, tag)
-    device = check_same_device(canary=canary, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
-                               req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-                               write_offsets=write_offsets, seed=seed, expected_tokens=expected_tokens, lut=lut,
-                               ring=ring)
+    check_same_device(records=canary, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
+                      req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, write_offsets=write_offsets,
+                      seed=seed, expected_tokens=expected_tokens, lut=lut)
     n, bs = input_ids.shape[0], req_pool_indices.shape[0]
     check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
     check_len("positions", positions, n, "len(input_ids)")
@@ -75,10 +74,11 @@ def validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("seed", seed, bs, "bs")
     validate_offsets("write_offsets", write_offsets, bs, n)
-    return device
+    return tag
 
 
-def _stamp_torch(canary, loc, ids, pos, rpi, prefix_lens, woff, seed, expected, lut, ring, counter, stats, tag):
+def _stamp_torch(state, loc, ids, pos, rpi, prefix_lens, woff, seed, expected, lut, tag):
+    canary, ring, counter, stats = state.records, state.ring, state.ring_counter, state.stats
     n, bs, num_slots = ids.shape[0], rpi.shape[0], canary.shape[0]
     if n == 0 or bs == 0:
         return
@@ -208,42 +208,45 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
                 ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
 
 
-def stamp(*, canary: torch.Tensor, out_cache_loc: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+def stamp(*, state: DeviceState, out_cache_loc: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, write_offsets: torch.Tensor, seed: torch.Tensor,
-          ring: torch.Tensor, ring_counter: torch.Tensor, stats: torch.Tensor, tag: int,
-          expected_tokens: torch.Tensor | None = None, lut: torch.Tensor | None = None,
+          tag: int, expected_tokens: torch.Tensor | None = None, lut: torch.Tensor | None = None,
           scratch: torch.Tensor | None = None, backend: Backend = Backend.AUTO) -> None:
-    """Stamp the written slots (see module doc). Never raises on values; raises TypeError /
-    ValueError for wrong dtypes, shapes, devices, offsets length, ring or stats layout.
-    ``scratch`` (int64[>= cdiv(T, 1024)]) holds the Triton path's per-block sums; it is allocated
-    when None (pass one inside CUDA-graph capture)."""
-    device = validate_stamp(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens,
-                            write_offsets, seed, expected_tokens, lut, ring, ring_counter, stats, tag)
-    tag = int(tag)
+    """Stamp the written slots into ``state.records`` (see module doc). Never raises on values;
+    raises InputTypeError / InputError for wrong dtypes, shapes, devices, offsets, state or tag,
+    before anything is written. ``scratch`` (int64[>= cdiv(T, 1024)]) holds the Triton path's
+    per-block sums; it is allocated when None (pass one inside CUDA-graph capture)."""
+    tag = validate_stamp(state, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens,
+                         write_offsets, seed, expected_tokens, lut, tag)
+    device = state.device
+    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
+                    ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("write_offsets", write_offsets), ("seed", seed), ("expected_tokens", expected_tokens),
+                    ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
+    n, bs = input_ids.shape[0], req_pool_indices.shape[0]
+    block = 1024
+    nblocks = max(cdiv(n, block), 1)
+    if scratch is not None:
+        check_tensor("scratch", scratch, torch.int64, 1)
+        check_contiguous("scratch", scratch)
+        if scratch.shape[0] < nblocks:
+            raise InputError(f"scratch length {scratch.shape[0]} < cdiv(T, 1024) ({nblocks})")
+        check_same_device(records=state.records, scratch=scratch)
     if use_triton(backend, device):
-        for name, t in (("canary", canary), ("out_cache_loc", out_cache_loc), ("input_ids", input_ids),
-                        ("positions", positions), ("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
-                        ("write_offsets", write_offsets), ("seed", seed), ("expected_tokens", expected_tokens),
-                        ("lut", lut)):
-            if t is not None:
-                check_contiguous(name, t)
-        n, bs = input_ids.shape[0], req_pool_indices.shape[0]
-        block = 1024
-        nblocks = max(cdiv(n, block), 1)
         if scratch is None:
             scratch = torch.empty(nblocks, dtype=torch.int64, device=device)
-        check_tensor("scratch", scratch, torch.int64, 1)
-        if scratch.shape[0] < nblocks:
-            raise ValueError(f"scratch length {scratch.shape[0]} < cdiv(T, 1024) ({nblocks})")
         if nblocks > 1:
             _stamp_tails_kernel[(nblocks,)](input_ids, positions, write_offsets, scratch, n, bs,
                                             NBITS=num_bits(bs), BLOCK=block, num_warps=8)
         _stamp_kernel[(nblocks,)](
-            record_words(canary), out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
-            seed, expected_tokens if expected_tokens is not None else input_ids, lut if lut is not None else seed,
-            scratch, ring, ring_counter, stats, n, bs, canary.shape[0], lut.shape[0] if lut is not None else 0,
-            ring.shape[0], tag, HAS_EXPECTED=expected_tokens is not None, HAS_LUT=lut is not None,
-            HAS_CARRY=nblocks > 1, NBITS=num_bits(bs), BLOCK=block, num_warps=8)
+            record_words(state.records), out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens,
+            write_offsets, seed, expected_tokens if expected_tokens is not None else input_ids,
+            lut if lut is not None else seed, scratch, state.ring, state.ring_counter, state.stats, n, bs,
+            state.num_slots, lut.shape[0] if lut is not None else 0, state.ring_capacity, tag,
+            HAS_EXPECTED=expected_tokens is not None, HAS_LUT=lut is not None, HAS_CARRY=nblocks > 1,
+            NBITS=num_bits(bs), BLOCK=block, num_warps=8)
     else:
-        _stamp_torch(canary, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
-                     seed, expected_tokens, lut, ring, ring_counter, stats, tag)
+        _stamp_torch(state, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
+                     seed, expected_tokens, lut, tag)

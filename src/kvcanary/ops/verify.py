@@ -26,14 +26,14 @@ from kvcanary.core.record import (
     CHAIN,
     FINGERPRINT,
     POSITION,
-    RECORD_BYTES,
     STAT_CHECKED,
     STAT_LAUNCHES,
     TOKEN,
     Reason,
     record_words,
 )
-from kvcanary.ops._common import Backend, cdiv, check_contiguous, check_tensor, tl, triton, use_triton
+from kvcanary.errors import InputTypeError
+from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
 from kvcanary.ops._jit import append_violations, link64
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
@@ -41,32 +41,28 @@ from kvcanary.ops.fingerprint import (
     block_words,
     fingerprint_torch,
     fold_sources,
-    source_meta,
     source_words,
+    validate_meta,
     validate_sources,
 )
-from kvcanary.ops.plan import Plan
+from kvcanary.ops.plan import Plan, validate_plan_buffers
+from kvcanary.ops.state import DeviceState
 
 R_CHAIN, R_POSITION, R_FINGERPRINT, R_TOKEN = (int(Reason.CHAIN), int(Reason.POSITION), int(Reason.FINGERPRINT),
                                                int(Reason.VERIFY_TOKEN))
 
 
-def validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode):
-    check_tensor("canary", canary, torch.uint8, 2)
-    if canary.shape[1] != RECORD_BYTES:
-        raise ValueError(f"canary must be uint8[num_slots, {RECORD_BYTES}], got shape {tuple(canary.shape)}")
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+def validate_verify(state, plan, tag, sources, mode):
+    tag = validate_ring(state, tag)
+    validate_plan_buffers(plan, state.device)
     if not isinstance(mode, FingerprintMode):
-        raise TypeError(f"mode must be a FingerprintMode, got {mode!r}")
-    validate_ring(ring, ring_counter, stats, tag)
-    if plan.slot.device != canary.device or ring.device != canary.device:
-        raise ValueError(f"plan on {plan.slot.device} and ring on {ring.device} but canary on {canary.device}")
-    validate_sources(sources, canary.shape[0], canary.device)
-    return canary.device
+        raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    validate_sources(sources, state.num_slots, state.device)
+    return tag
 
 
-def _verify_torch(canary, plan, ring, counter, stats, tag, sources, mode):
+def _verify_torch(state, plan, tag, sources, mode):
+    canary, ring, counter, stats = state.records, state.ring, state.ring_counter, state.stats
     num_slots = canary.shape[0]
     stats[tag, STAT_LAUNCHES] += 1
     m = min(max(int(plan.count[0]), 0), plan.capacity) if int(plan.enable[0]) != 0 else 0
@@ -178,24 +174,25 @@ def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, e
         tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
 
 
-def verify(*, canary: torch.Tensor, plan: Plan, ring: torch.Tensor, ring_counter: torch.Tensor,
-           stats: torch.Tensor, tag: int, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
+def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
            meta: torch.Tensor | None = None, max_programs: int = 1024, backend: Backend = Backend.AUTO) -> None:
-    """Check the plan's entries (see module doc). Never raises on values; raises TypeError /
-    ValueError for wrong dtypes, shapes, devices, ring or stats layout, or sources."""
+    """Check the plan's entries (see module doc) against ``state.records``; rows to ``state.ring``,
+    counts to ``state.stats``. Never raises on values; raises InputTypeError / InputError (before
+    anything is written) for a bad state, plan, tag, sources or ``meta``."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
-    device = validate_verify(canary, plan, ring, ring_counter, stats, tag, sources, mode)
-    tag = int(tag)
+    tag = validate_verify(state, plan, tag, sources, mode)
+    device = state.device
+    meta = validate_meta(meta, sources, mode, device)
+    check_programs(max_programs)
     if use_triton(backend, device):
-        check_contiguous("canary", canary)
+        canary, ring = state.records, state.ring
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
-        meta = source_meta(sources, mode, device) if meta is None and sources else meta
         _verify_kernel[(grid,)](
             record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.count, plan.enable, ring,
-            ring_counter, stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
+            state.ring_counter, state.stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
             *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
             BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4, num_warps=4)
     else:
-        _verify_torch(canary, plan, ring, ring_counter, stats, tag, sources, mode)
+        _verify_torch(state, plan, tag, sources, mode)

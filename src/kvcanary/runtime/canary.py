@@ -34,18 +34,16 @@ from kvcanary.core.record import (
     LaunchTag,
     PoolKind,
     Reason,
-    new_canary,
-    new_ring,
-    new_stats,
 )
-from kvcanary.errors import CanaryViolation, ConfigError, KVCanaryError
+from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
 from kvcanary.ops.backend import HAS_TRITON, Backend
-from kvcanary.ops.check import Workspace, check_forward
+from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
+from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import verify
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.incidents import Incident, IncidentTracker
@@ -86,6 +84,7 @@ class StepReport:
     alarms: list[WatchdogAlarm] = field(default_factory=list)
     recovery: Recovery | None = None
     incidents: list[Incident] = field(default_factory=list)  # opened by this report's violations
+    device_flags: int = 0  # DeviceFlag bits the kernels raised (one step late on CUDA)
 
 
 @dataclass
@@ -101,6 +100,7 @@ class CanaryTotals:
     by_label: Counter = field(default_factory=Counter)  # (reason, launch point, pool) -> count, for metrics
     recomputed_requests: int = 0
     watchdog_alarms: int = 0
+    device_errors: int = 0  # steps whose kernels raised a device error flag
     seconds: float = 0.0
 
 
@@ -110,20 +110,19 @@ class Canary:
         self.config, self.geometry, self.pool = config, geometry, pool
         self.window = window  # > 0: a sliding-window pool, addressed through ForwardBatch.slot_lut
         dev = torch.device(geometry.device)
-        self.canary = new_canary(geometry.num_slots, dev)
-        self.ring, self.ring_counter = new_ring(config.ring_capacity, dev)
-        self.stats = new_stats(dev)
+        # records, ring, counter, stats, error flags, check_forward workspaces: one validated object
+        self.state = DeviceState.allocate(geometry.num_slots, ring_capacity=config.ring_capacity,
+                                          max_bs=config.max_bs, max_tokens=config.max_tokens, device=dev)
         self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
         # on CUDA, HEAD and TAIL are one launch each (check_forward); elsewhere the ops run one by one
         self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
-        self.workspaces = {p: Workspace.allocate(config.max_bs, config.max_tokens, dev)
-                           for p in (LaunchPoint.HEAD, LaunchPoint.TAIL)} if self.fused else {}
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
-        self.reporter = Reporter(self.ring, self.ring_counter, self.stats)
+        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
+        self._error_pending: list[tuple[torch.Tensor, object]] = []  # (host copy, event) of the error flags, CUDA
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.incidents = IncidentTracker()
@@ -173,7 +172,7 @@ class Canary:
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         if self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
-                                  pool_out=self.truth)
+                                  pool_out=self.truth, error_flag=self.state.error)
             bs = b.batch_size
             torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
         self.totals.seconds += time.perf_counter() - t0
@@ -187,28 +186,24 @@ class Canary:
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
         truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
         if self.fused:
-            check_forward(canary=self.canary, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, ring=self.ring,
-                          ring_counter=self.ring_counter, stats=self.stats, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, lut=self._lut(b), window=self.window,
-                          workspace=self.workspaces[LaunchPoint.HEAD], backend=Backend.TRITON)
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
+                          truth_lens=truth_lens, lut=self._lut(b), window=self.window, backend=Backend.TRITON)
             self.totals.seconds += time.perf_counter() - t0
             return
         build_plan(req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens,
                    req_to_token=b.req_to_token, plan=self.plan, truth=truth, truth_lens=truth_lens,
                    lut=self._lut(b), window=self.window)
-        verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-               tag=tag)
+        verify(state=self.state, plan=self.plan, tag=tag)
         woff = self.plan.write_offsets[: bs + 1]
         expected = None
         if truth is not None:
             expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=b.req_pool_indices,
                                               prefix_lens=b.prefix_lens, extend_offsets=woff, input_ids=b.input_ids)
-        stamp(canary=self.canary, out_cache_loc=self._written(b), input_ids=b.input_ids, positions=b.positions,
+        stamp(state=self.state, out_cache_loc=self._written(b), input_ids=b.input_ids, positions=b.positions,
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
-              seed=self.plan.seed[:bs], ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-              tag=tag, expected_tokens=expected)
+              seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected)
         self.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
@@ -221,19 +216,17 @@ class Canary:
         if self.fused:
             bs = b.batch_size
             truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
-            check_forward(canary=self.canary, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, ring=self.ring,
-                          ring_counter=self.ring_counter, stats=self.stats, tag=tag, stamp=False, truth=truth,
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
                           truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                          lut=self._lut(b), window=self.window, workspace=self.workspaces[LaunchPoint.TAIL],
-                          backend=Backend.TRITON)
+                          lut=self._lut(b), window=self.window, backend=Backend.TRITON)
         else:
-            verify(canary=self.canary, plan=self.plan, ring=self.ring, ring_counter=self.ring_counter,
-                   stats=self.stats, tag=tag, sources=self.sources, mode=self.config.real_kv, meta=self.meta)
+            verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
+                   meta=self.meta)
             if self.sources:
                 fingerprint(slots=self._written(b), sources=self.sources, mode=self.config.real_kv,
-                            canary=self.canary, record=True, meta=self.meta)
+                            state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
     def _use_truth(self, b: ForwardBatch) -> bool:
@@ -280,18 +273,20 @@ class Canary:
                 buf[:n].copy_(torch.tensor(vals, dtype=torch.int32), non_blocking=dev.type == "cuda")
         p.count.fill_(n)
         p.enable.fill_(1)
-        verify(canary=self.canary, plan=p, ring=self.ring, ring_counter=self.ring_counter, stats=self.stats,
-               tag=self.tag(LaunchPoint.SWEEP), sources=self.sources, mode=self.config.real_kv, meta=self.meta)
+        verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
+               mode=self.config.real_kv, meta=self.meta)
         return n
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The records of ``slots`` (uint8[n, 32]) to travel with their K/V."""
-        return self.canary[slots.to(self.canary.device)].clone()
+        records = self.state.records
+        return records[slots.to(records.device)].clone()
 
     def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write records that travelled with K/V into ``slots`` (the stamps are content-only, so
         they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
-        self.canary[slots.to(self.canary.device)] = rows.to(self.canary.device)
+        records = self.state.records
+        records[slots.to(records.device)] = rows.to(records.device)
         self.incidents.note(self._meta.step, slots, "rewritten")
         self.verify_landed(slots)
 
@@ -301,7 +296,7 @@ class Canary:
         if not self.config.enabled or slots.numel() == 0:
             return 0
         s = [int(x) for x in slots.tolist()]
-        first_pos = int(self.canary[s[0]].view(torch.int64)[1])
+        first_pos = int(self.state.records[s[0]].view(torch.int64)[1])
         pos = list(range(first_pos, first_pos + len(s)))
         self._meta.sweep_slots.update(zip(s, pos, strict=True))
         return self._load_sweep_plan(s, [-1, *s[:-1]], pos, [-1] * len(s))
@@ -312,7 +307,7 @@ class Canary:
         if type(num_rows) is not int or num_rows < 1:
             raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
         self.host_rows = torch.zeros(num_rows, RECORD_BYTES, dtype=torch.uint8,
-                                     pin_memory=self.canary.is_cuda)
+                                     pin_memory=self.state.records.is_cuda)
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
@@ -369,15 +364,57 @@ class Canary:
         report.violations = self.reporter.collect()
         self.totals.steps += 1
         report.alarms = self.watchdog.observe(self.reporter.latest_stats)
+        report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
+        self._report_device_flags(report)
         self._apply_policy(report)
         return report
+
+    def _read_device_flags(self, flush: bool = False) -> int:
+        """The error flags the kernels raised (on CUDA: as of the previous step, copied behind it
+        without a sync; everything when ``flush``), then cleared; a WORKSPACE flag also resets
+        the workspaces."""
+        err = self.state.error
+        if err.is_cuda and flush:
+            self._error_pending.clear()
+            bits = int(err[0])  # syncs: the end of a run
+        elif err.is_cuda:
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(err, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._error_pending.append((host, event))
+            if len(self._error_pending) < 2:
+                return 0
+            host, event = self._error_pending.pop(0)
+            event.synchronize()  # a step old: already complete on the device
+            bits = int(host[0])
+        else:
+            bits = int(err[0])
+        if bits:
+            err.zero_()
+            if bits & DeviceFlag.WORKSPACE:
+                for ws in self.state.workspaces:
+                    ws.reset()
+        return bits
+
+    def _report_device_flags(self, report: StepReport) -> None:
+        if not report.device_flags:
+            return
+        line = (f"kv_canary device error: step={report.step} flags={'+'.join(DeviceFlag.names(report.device_flags))} "
+                "checks of this step are incomplete")
+        self.totals.device_errors += 1
+        log.error(line)
+        if self.config.policy in (Policy.RAISE, Policy.RECOMPUTE):
+            raise DeviceError(line)
 
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
         report = StepReport(step, self.reporter.collect(flush=True))
+        report.device_flags = self._read_device_flags(flush=True)
         self._account(report, upto_step=step, summary=True)
+        self._report_device_flags(report)
         self._apply_policy(report)
         return report
 

@@ -35,7 +35,7 @@ SCATTER_TOKENS = (1, 200, 300, 600)  # one request each: the scatter's BLOCK is 
 
 def _empty_batch(canary: Canary, bs: int, truth: bool) -> ForwardBatch:
     """``bs`` padding requests (row 0) that read and write nothing."""
-    dev = canary.canary.device
+    dev = canary.state.records.device
     i64 = dict(dtype=torch.int64, device=dev)
     zeros = torch.zeros(bs, **i64)
     none = torch.zeros(0, **i64)
@@ -64,10 +64,10 @@ def warm_up(canary: Canary) -> float:
     """Launch every variant once (see module doc); returns the seconds it took (synchronised)."""
     if not canary.config.enabled:
         return 0.0
-    dev = canary.canary.device
+    dev = canary.state.records.device
     t0 = time.perf_counter()
-    saved = [(t, t.clone()) for t in (canary.stats, canary.ring_counter, canary.sweep_plan.count,
-                                      canary.sweep_plan.enable)]
+    state, plan = canary.state, canary.sweep_plan
+    saved = [(t, t.clone()) for t in (state.stats, state.ring_counter, state.error, plan.count, plan.enable)]
     seconds = canary.totals.seconds
     for truth in sorted({False, bool(canary.config.truth)}):
         for bs in _batch_sizes(canary):

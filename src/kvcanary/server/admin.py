@@ -246,7 +246,7 @@ class CanaryAdmin:
         n = c.geometry.num_slots
         if not 0 <= slot < n:
             raise ApiError(404, f"slot {slot} is outside the pool's slots [0, {n})", "slot")
-        w = [int(x) for x in record_words(c.canary[slot : slot + 1].cpu())[0].tolist()]
+        w = [int(x) for x in record_words(c.state.records[slot : slot + 1].cpu())[0].tolist()]
         hexa = lambda x: f"0x{x & (2**64 - 1):016x}" if reveal else None
         return {"slot": slot, "reserved": slot == PAD_SLOT, "stamped": any(w), "token": w[TOKEN] if reveal else None,
                 "position": w[POSITION], "chain": hexa(w[CHAIN]), "fingerprint": hexa(w[FINGERPRINT]),
