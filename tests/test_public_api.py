@@ -12,9 +12,9 @@ import kvcanary.ops
 ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
               "LaunchPoint", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
               "Violation", "__version__"]
-OPS_NAMES = ["HAS_TRITON", "Backend", "DeviceFlag", "DeviceState", "FingerprintMode", "KVSource", "Plan", "Workspace", "build_plan",
-             "check_forward", "fingerprint", "gather_expected_tokens", "offsets_from_lengths", "scatter_req_token_ids",
-             "stamp", "verify"]
+OPS_NAMES = ["HAS_TRITON", "Backend", "DeviceFlag", "DeviceState", "FingerprintMode", "KVSource", "Plan", "Workspace",
+             "build_plan", "check_forward", "fingerprint", "gather_expected_tokens", "offsets_from_lengths",
+             "scatter_req_token_ids", "stamp", "verify"]
 
 
 def test_exported_names_are_pinned():
