@@ -45,7 +45,8 @@ def _to(b: ForwardBatch) -> ForwardBatch:
 
 
 def _state(c: Canary) -> list[torch.Tensor]:
-    return [t.clone() for t in (c.canary, c.stats, c.ring_counter, c.ring, c.truth, c.sweep_plan.count,
+    st = c.state
+    return [t.clone() for t in (st.records, st.stats, st.ring_counter, st.ring, st.error, c.truth, c.sweep_plan.count,
                                 c.sweep_plan.enable)]
 
 
@@ -65,11 +66,11 @@ def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window, fused
     step = _to(_batch(10, 1, lut))
     c.head(step)
     c.tail(step)
-    assert int(c.ring_counter[0]) == 0
-    assert int(c.stats[c.tag(LaunchPoint.HEAD), 0]) == 2  # the fill's and the step's launches only
+    assert int(c.state.ring_counter[0]) == 0
+    assert int(c.state.stats[c.tag(LaunchPoint.HEAD), 0]) == 2  # the fill's and the step's launches only
     c.state.records[int(fill.out_cache_loc[3])] ^= 1
     c.head(step)
-    assert int(c.ring_counter[0]) > 0
+    assert int(c.state.ring_counter[0]) > 0
 
 
 def _compiled() -> int | None:

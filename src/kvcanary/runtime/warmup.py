@@ -39,9 +39,9 @@ def _empty_batch(canary: Canary, bs: int, truth: bool) -> ForwardBatch:
     i64 = dict(dtype=torch.int64, device=dev)
     zeros = torch.zeros(bs, **i64)
     none = torch.zeros(0, **i64)
-    rows = canary.geometry.rows  # the page table's rows must match the truth table's; one real row of memory
+    rows = canary.geometry.rows  # the page table's rows must match the truth table's
     return ForwardBatch(req_pool_indices=zeros, prefix_lens=zeros, extend_lens=zeros.clone(),
-                        req_to_token=torch.zeros(1, 16, dtype=torch.int32, device=dev).expand(rows, 16), input_ids=none,
+                        req_to_token=torch.zeros(rows, 16, dtype=torch.int32, device=dev), input_ids=none,
                         positions=none.clone(), out_cache_loc=none.clone(),
                         truth_ids=none.clone() if truth else None,
                         truth_offsets=torch.zeros(bs + 1, **i64) if truth else None,
