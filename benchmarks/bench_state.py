@@ -17,9 +17,8 @@ import timeit
 import torch
 
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, VIOLATION_ROW_WIDTH
-from kvcanary.ops._common import check_same_device, check_tensor
-from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.state import DeviceState
+from kvcanary.ops.validation import check_same_device, check_tensor, validate_ring
 
 
 def loose_ring_checks(ring, ring_counter, stats, tag: int) -> None:
