@@ -8,12 +8,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from kvcanary.ops._common import HAS_TRITON
 
 from .fuzz_ops import CASES, fuzz
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels run under the interpreter on "
+                                 "CPU tensors; with a GPU they would be compiled for it instead")]
 
 DEFAULT_CASES = 250
 SLOW_CASES = 3000
