@@ -26,7 +26,7 @@ CASES = {c.bug: c for c in zoo_cases(ModelConfig(), CANARY, WorkloadConfig(num_r
 # first act to that report (fingerprint-only damage waits for a reader; sweeps run every 4 steps)
 FIRST_DETECTION = {
     Bug.ABORT_INFLIGHT_WRITE: ("fingerprint @ TAIL", 0),
-    Bug.PREFIX_PAGE_OFF_BY_ONE: ("fingerprint+verify_token @ TAIL", 1),
+    Bug.PREFIX_PAGE_OFF_BY_ONE: ("read_conflict @ HEAD", 1),
     Bug.PADDING_WRITES_LIVE_SLOT: ("fingerprint @ TAIL", 15),
     Bug.OFFLOAD_SHARED_HOST_ROW: ("chain+position @ SWEEP", 8),
     Bug.LOAD_BACK_UNORDERED: ("fingerprint @ SWEEP", 15),

@@ -42,8 +42,9 @@ EXACT = {  # first violation: launch point, every reason, steps after the inject
     "stamp_corruption": (LaunchPoint.HEAD, Reason.CHAIN, 0),
     "host_row_flip": (LaunchPoint.SWEEP, Reason.FINGERPRINT, LOAD_BACK),
     "host_row_mismatch": (LaunchPoint.SWEEP, Reason.CHAIN | Reason.POSITION, LOAD_BACK),
-    "stale_slot_reuse": (LaunchPoint.TAIL, Reason.CHAIN | Reason.POSITION | Reason.FINGERPRINT | Reason.VERIFY_TOKEN,
-                         0),
+    "stale_slot_reuse": (LaunchPoint.HEAD, Reason.READ_CONFLICT, 0),
+    "page_table_bad_entry": (LaunchPoint.HEAD, Reason.BAD_ENTRY, 0),
+    "write_target_duplicate": (LaunchPoint.HEAD, Reason.WRITE_CONFLICT, 0),
 }
 
 

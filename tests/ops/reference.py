@@ -53,7 +53,7 @@ def gather_expected_tokens(truth: list[list[int]], width: int, truth_lens: list[
 # --- build_plan ----------------------------------------------------------------------------
 
 PLAN_FIELDS = ("slot", "pred", "position", "token", "count", "enable", "overflow", "verify_offsets",
-               "write_offsets", "seed")
+               "write_offsets", "seed", "entry", "row")
 
 
 def translate(slot: int, lut: list[int] | None) -> int:
@@ -80,13 +80,14 @@ def build_plan(req_pool_indices: list[int], prefix_lens: list[int], extend_lens:
                 slot = translate(req_to_token[row][p], lut)
                 pred = translate(req_to_token[row][p - 1], lut) if p > 0 else -1
                 known = truth is not None and p < truth_lens[r] and p < truth_width
-                entries.append((slot, pred, p, truth[row][p] if known else -1))
+                entries.append((slot, pred, p, truth[row][p] if known else -1, req_to_token[row][p], row))
         voff.append(len(entries))
         woff.append(woff[-1] + max(extend_lens[r], 0))
         seed.append(translate(req_to_token[row][end - 1], lut) if active and end > 0 else -1)
     cap = len(new["slot"])
-    for e, (slot, pred, p, tok) in enumerate(entries[:cap]):
+    for e, (slot, pred, p, tok, entry, row) in enumerate(entries[:cap]):
         new["slot"][e], new["pred"][e], new["position"][e], new["token"][e] = slot, pred, p, tok
+        new["entry"][e], new["row"][e] = entry, row
     new["count"] = [len(entries)]
     new["enable"] = [int(len(entries) <= cap)]
     new["overflow"] = [new["overflow"][0] + int(len(entries) > cap)]
@@ -128,10 +129,14 @@ def stamp(words: list[list[int]], out_cache_loc: list[int], input_ids: list[int]
             if pos == want_pos and j == 0 and seed_ok and words[s][1] + 1 != pos:
                 want_pos = words[s][1] + 1
             exp_tok = expected_tokens[t] if expected_tokens is not None else tok
-            reasons = Reason.WRITE_POSITION * (pos != want_pos) + Reason.WRITE_TOKEN * (tok != exp_tok)
+            bad = not 0 < slot < num_slots  # a real token with no slot to go to
+            reasons = (Reason.WRITE_POSITION * (pos != want_pos) + Reason.WRITE_TOKEN * (tok != exp_tok)
+                       + Reason.BAD_ENTRY * bad)
             if reasons:
                 stored, want = (pos, want_pos) if pos != want_pos else (tok, exp_tok)
-                rows.append([tag, slot, pos, tok, exp_tok, stored, want, int(reasons)])
+                if bad:
+                    stored, want = req_row, slot
+                rows.append([tag, out_cache_loc[t] if bad else slot, pos, tok, exp_tok, stored, want, int(reasons)])
     return new, rows, stamped
 
 
@@ -196,8 +201,8 @@ def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources
         if slot == 0:
             continue
         checked += 1
-        if not 0 < slot < num_slots:
-            rows.append([tag, slot, -1, -1, etok, -1, -1, int(Reason.CHAIN | Reason.POSITION)])
+        if not 0 < slot < num_slots:  # a bad entry: named by its value, position and page-table row
+            rows.append([tag, plan["entry"][e], epos, -1, etok, plan["row"][e], slot, int(Reason.BAD_ENTRY)])
             continue
         tok, pos, chain, fp = words[slot]
         if 0 < pred < num_slots:
@@ -215,3 +220,35 @@ def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources
             reasons = sum(int(c[0]) for c in failed)
             rows.append([tag, slot, pos, tok, etok, failed[0][2], failed[0][3], reasons])
     return rows, checked
+
+
+# --- check_writes --------------------------------------------------------------------------
+
+def check_writes(plan: dict[str, list[int]], out_cache_loc: list[int], input_ids: list[int], positions: list[int],
+                 req_pool_indices: list[int], write_offsets: list[int], num_slots: int, tag: int,
+                 lut: list[int] | None = None, held: list[int] | None = None) -> list[Row]:
+    """Violation rows of conflicts.py: later writers of a slot, writes into read or held slots."""
+    limit = min(max(plan["count"][0], 0), len(plan["slot"])) if plan["enable"][0] else 0
+    readers: dict[int, int] = {}
+    for e in range(limit):
+        readers[plan["slot"][e]] = min(readers.get(plan["slot"][e], plan["row"][e]), plan["row"][e])
+    for s in held or []:
+        readers[s] = 0
+    first: dict[int, int] = {}
+    rows = []
+    for r, row in enumerate(req_pool_indices):
+        for t in range(write_offsets[r], write_offsets[r + 1]):
+            slot = translate(out_cache_loc[t], lut)
+            if not 0 < slot < num_slots:
+                continue
+            reasons, other = 0, 0
+            if slot in first:
+                reasons, other = int(Reason.WRITE_CONFLICT), req_pool_indices[first[slot]]
+            else:
+                first[slot] = r
+            if slot in readers:
+                reasons |= int(Reason.READ_CONFLICT)
+                other = other if reasons & Reason.WRITE_CONFLICT else readers[slot]
+            if reasons:
+                rows.append([tag, slot, positions[t], input_ids[t], -1, row, other, reasons])
+    return rows

@@ -14,7 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary.core.hashing import chain_values, to_signed
-from kvcanary.core.record import STAT_CHECKED, STAT_LAUNCHES, STAT_STAMPED, Half, new_ring, new_stats, record_words
+from kvcanary.core.record import (
+    STAT_CHECKED,
+    STAT_LAUNCHES,
+    STAT_STAMPED,
+    Half,
+    Reason,
+    new_ring,
+    new_stats,
+    record_words,
+)
 from kvcanary.ops._common import Backend
 from kvcanary.ops.check import Workspace, check_forward, verify_split
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
@@ -91,7 +100,29 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     if len(ids):
         pos_t += (torch.rand(len(pos), generator=gen) < corrupt / 4).to(torch.int64)
         ids_t += (torch.rand(len(ids), generator=gen) < corrupt / 4).to(torch.int64)
-    ring, counter = new_ring(sum(prefix) + len(ids) + 3)
+        # write conflicts: a write into a prefix slot some request reads (never a seed: that races,
+        # as for ``stamp``), and prefix-cache-held slots that include some write targets
+        # no request's seed either: page-table damage can put one request's seed inside another's prefix
+        seeds = {int(rtt[r + 1, prefix[r] - 1]) for r in range(bs) if prefix[r] > 0}
+        inner = [int(s) for r in range(bs) for s in rtt[r + 1, : max(prefix[r] - 1, 0)].tolist()
+                 if s > 1 and int(s) not in seeds]
+        if inner:
+            # each picked slot written once (two writes of one slot race on a GPU: which record
+            # survives is unspecified; test_duplicate_write_targets_are_named_at_head covers them)
+            hit_w = (torch.rand(len(loc), generator=gen) < corrupt / 4).tolist()
+            order = torch.randperm(len(inner), generator=gen).tolist()
+            used = {int(x) for x in loc_t.tolist()}
+            for t, hit in enumerate(hit_w):
+                while hit and order:
+                    cand = inner[order.pop()]
+                    if cand not in used:
+                        used.add(cand)
+                        loc_t[t] = cand
+                        break
+    held = [int(table[s]) for s in loc_t.tolist()
+            if 0 < s < num_slots and float(torch.rand(1, generator=gen)) < corrupt]
+    held += [int(table[s]) for s in free[:2]]
+    ring, counter = new_ring(sum(prefix) + 2 * len(ids) + 3)
     counter += int(torch.randint(0, 3, (1,), generator=gen))
     stats = torch.randint(0, 50, new_stats().shape, generator=gen)
     return dict(canary=canary, req_pool_indices=rpi, prefix_lens=torch.tensor(prefix, dtype=torch.int64),
@@ -99,7 +130,8 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
                 positions=pos_t, out_cache_loc=loc_t, ring=ring, ring_counter=counter, stats=stats, tag=tag,
                 stamp=stamp, truth=truth if with_truth else None,
                 truth_lens=torch.tensor(truth_lens, dtype=torch.int64) if with_truth else None,
-                sources=sources, mode=mode, lut=table if lut else None, window=window)
+                sources=sources, mode=mode, lut=table if lut else None, window=window,
+                held=torch.tensor(held, dtype=torch.int64))
 
 
 def expected(w: dict):
@@ -120,6 +152,8 @@ def expected(w: dict):
     ids, pos, loc = w["input_ids"].tolist(), w["positions"].tolist(), w["out_cache_loc"].tolist()
     stamped = 0
     if w["stamp"]:
+        rows += ref.check_writes(plan, loc, ids, pos, rpi, plan["write_offsets"][: bs + 1], len(words), w["tag"], lut,
+                                 w["held"].tolist())
         exp = None
         if truth is not None:
             exp = ref.gather_expected_tokens(truth, max_ctx, tlens, rpi, prefix, plan["write_offsets"][: bs + 1], ids)
@@ -199,6 +233,27 @@ def test_one_workspace_serves_many_launches():
         args, _ = run_op(check_forward, Backend.TRITON, **w, workspace=ws)
         assert_same("canary", words_of(args["canary"]), words)
         assert ws.sync.tolist() == [0, 0, 0, k + 1]
+
+
+@pytest.mark.parametrize("lut", [False, True])
+def test_duplicate_write_targets_are_named_at_head(lut):
+    """Two tokens of one forward written to one slot: HEAD's fused check names the later writer
+    and the first writer's row, as ``check_writes`` after the plan does (which record survives
+    the race is unspecified, so only the rows are compared); its twin without the duplicate is
+    silent."""
+    gen = torch.Generator().manual_seed(11)
+    for dup in (False, True):
+        w = make_world(gen, [3, 5, 0], [2, 3, 1500], mode=FingerprintMode.NONE, with_truth=True, corrupt=0.0,
+                       lut=lut, window=0, stamp=True, tag=0)
+        if dup:
+            w["out_cache_loc"][[3, 1200]] = w["out_cache_loc"][[0, 2]]  # B's first token onto A's, C's 1195th onto B's
+        _, rows, _, _ = expected(w)
+        assert len(rows) == (2 if dup else 0)
+        assert all(r[7] == int(Reason.WRITE_CONFLICT) for r in rows)
+        for backend in BACKENDS:
+            args, _ = run_op(check_forward, backend, **w, split=2)
+            assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"],
+                        int(w["ring_counter"]), rows)
 
 
 def test_split_fills_the_device_without_idle_rows():

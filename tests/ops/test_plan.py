@@ -186,7 +186,7 @@ def test_allocate_errors_and_shapes():
     plan = Plan.allocate(7, 3)
     assert (plan.capacity, plan.max_bs) == (7, 3)
     assert [getattr(plan, n).dtype for n in ref.PLAN_FIELDS] == [torch.int32] * 4 + [torch.int64, torch.int32] + \
-        [torch.int64] * 4
+        [torch.int64] * 4 + [torch.int32] * 2
     with pytest.raises(ValueError, match="plan capacity 0 < 1"):
         Plan.allocate(0, 3)
     with pytest.raises(ValueError, match="plan max_bs 0 < 1"):

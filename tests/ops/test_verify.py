@@ -438,16 +438,34 @@ def test_write_position_seed_mismatch(backend):
 
 
 @BACKEND_PARAM
+@pytest.mark.parametrize("target", [0, -1, NUM_SLOTS, NUM_SLOTS + 9])
+def test_real_token_written_to_no_slot_is_a_bad_entry(backend, target):
+    """A real request's token written to the padding slot 0 (or outside the pool) is a BAD_ENTRY
+    row naming the target, the written position and token, and the request's page-table row;
+    nothing is stamped. Its twin, a padding request (row 0) writing slot 0, stays silent."""
+    pool = Pool(backend)
+    before = pool.canary.clone()
+    pool.forward(prefix_lens=[0], input_ids=[5], positions=[0], out_cache_loc=[0], extend_lens=[1], rows=(0,))
+    assert pool.take_rows() == []  # padding lanes write slot 0 by design
+    pool.req_to_token[1, 8] = target
+    pool.forward(prefix_lens=[8], input_ids=[19], positions=[8], out_cache_loc=[target], extend_lens=[1], rows=(1,))
+    assert pool.take_rows() == [row(HEAD, target, 8, 19, 19, 1, target, Reason.BAD_ENTRY)]
+    assert torch.equal(pool.canary, before)
+
+
+@BACKEND_PARAM
 @pytest.mark.parametrize("entry", [NUM_SLOTS, NUM_SLOTS + 3, 2**31 - 1, -5, 0])
 @pytest.mark.parametrize("truth", [False, True])
-def test_wild_slot_reports_chain_and_position(backend, entry, truth):
+def test_bad_entry_is_named_by_value_position_and_row(backend, entry, truth):
+    """A prefix entry resolving to no slot (the padding slot 0, negative, outside the pool) is a
+    BAD_ENTRY row naming the entry as given, its position and the request's page-table row."""
     pool = Pool(backend, truth=truth)
     assert pool.check() == []
     pool.req_to_token[1, 4] = entry
-    reported = -1 if entry == 0 else entry  # a 0 inside a real request resolves to -1 in the plan
+    resolved = -1 if entry == 0 else entry  # a 0 inside a real request resolves to -1 in the plan
     expected_tok = A[4] if truth else -1
     # the successor's predecessor is invalid, so its chain check is skipped: one row only
-    assert pool.check() == [row(HEAD, reported, -1, -1, expected_tok, -1, -1, Reason.CHAIN | Reason.POSITION)]
+    assert pool.check() == [row(HEAD, entry, 4, -1, expected_tok, 1, resolved, Reason.BAD_ENTRY)]
 
 
 @BACKEND_PARAM
@@ -474,7 +492,7 @@ def test_sliding_window_lut(backend):
     lut[103] = 0  # the predecessor of the window's first slot evicted: that link is not checked
     assert check_swa() == []
     lut[105] = 0  # evicted inside the window
-    assert check_swa() == [row(SWEEP_SWA, -1, -1, -1, -1, -1, -1, Reason.CHAIN | Reason.POSITION)]
+    assert check_swa() == [row(SWEEP_SWA, 105, 5, -1, -1, 1, -1, Reason.BAD_ENTRY)]  # full slot 105 has no window slot
 
 
 @BACKEND_PARAM
@@ -563,7 +581,7 @@ def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expecte
     never makes verify read past its buffers; every checked entry is a wild slot here."""
     canary = new_canary(16)
     plan = Plan.allocate(8, 1)
-    plan.slot.fill_(99)  # outside the 16-slot pool: each checked entry reports chain+position
+    plan.slot.fill_(99)  # outside the 16-slot pool: each checked entry reports a bad entry
     plan.count.fill_(count)
     plan.enable.fill_(enable)
     ring, counter = new_ring(32)

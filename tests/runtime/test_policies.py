@@ -66,7 +66,8 @@ def test_recompute_delivers_the_fault_free_tokens(name, fault_free_outputs):
     out = run_once(setup, [fault])
     assert fault.injections and out.violations and out.error is None
     engine = out.engine
-    assert engine.stats.num_quarantined_slots > 0
+    # a bad entry names no slot to quarantine: the request is re-prefilled into a fresh page table
+    assert engine.stats.num_quarantined_slots > 0 or (name == "page_table_bad_entry" and engine.stats.num_recomputes)
     assert [engine.output_ids(i) for i in out.counts.request_ids] == fault_free_outputs
     for rid, want in zip(out.counts.request_ids, setup.workload.requests, strict=True):
         req = engine.requests[rid]

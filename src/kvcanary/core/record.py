@@ -46,6 +46,9 @@ class Reason(enum.IntFlag):
     WRITE_TOKEN = 8
     WRITE_POSITION = 16
     VERIFY_TOKEN = 32
+    BAD_ENTRY = 64  # a page-table / window-table entry or a write target that resolves to no slot
+    WRITE_CONFLICT = 128  # two tokens of one forward write the same slot
+    READ_CONFLICT = 256  # a forward writes a slot a request of the batch reads (or the prefix cache holds)
 
     @classmethod
     def names(cls, bits: int) -> list[str]:
@@ -125,8 +128,20 @@ class ViolationRow:
 
     ``stored_value`` / ``expected_value`` belong to the first failing check in the order
     chain, position, fingerprint, write_token/verify_token: the stored and expected chain for a
-    chain failure, the stored and expected position for a position failure, and so on. A slot
-    outside the pool (a wild page-table entry) reports chain+position with stored fields -1.
+    chain failure, the stored and expected position for a position failure, and so on.
+
+    Rows of the per-forward checks that name a request carry its page-table row instead:
+
+    | reason         | slot                     | stored_position | stored_token  | stored_value | expected_value    |
+    |----------------|--------------------------|-----------------|---------------|--------------|-------------------|
+    | BAD_ENTRY      | the entry as given (page | the position    | -1 (read) or  | page-table   | what the entry    |
+    |                | table / out_cache_loc)   |                 | written token | row          | resolved to       |
+    | WRITE_CONFLICT | the slot                 | written position| written token | writer's row | first writer's row|
+    | READ_CONFLICT  | the slot                 | written position| written token | writer's row | first reader's row|
+
+    BAD_ENTRY: the entry resolves to the padding slot 0, a negative slot, a slot outside the
+    pool, or (window pools) a full slot the window table does not map. ``expected_token`` is the
+    truth token at that position (or the expected written token), -1 when unknown.
     """
 
     tag: LaunchTag

@@ -60,6 +60,10 @@ def _runs(mask: torch.Tensor) -> list[slice]:
     return out
 
 
+def _slots_of(runs: Sequence) -> torch.Tensor:
+    return torch.cat([r.slots.to("cpu", torch.int64) for r in runs]) if runs else torch.zeros(0, dtype=torch.int64)
+
+
 def window_runs(runs: Sequence, lut: torch.Tensor) -> list[SweepRun]:
     """Sweep runs of the window pool: the stretches of ``runs`` (full-pool cached runs) whose
     slots still hold a window slot, translated through ``lut`` (int64, CPU)."""
@@ -91,6 +95,7 @@ class CanaryHooks(EngineHooks):
         geometry = PoolGeometry(cfg.num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device))
         self.engine = engine
         self.canary = Canary(self.config, geometry, sources=pool_sources(engine, self.config))
+        engine.delivery.lag = self.canary.reporter.lag  # tokens wait until their step's report was read
         if engine.host_tier is not None:
             self.canary.attach_host_tier(cfg.host_tier_slots)
         window = engine.pool.window
@@ -113,9 +118,11 @@ class CanaryHooks(EngineHooks):
             runs = [SweepRun(r.slots, r.token_ids, r.start_position, r.prev_slot)
                     for r in self.engine.prefix_cache_slots()]
             self.canary.sweep(runs)
+            self.canary.hold(_slots_of(runs))  # this step's HEAD: no write may land in an idle cached slot
             if self.window_canary is not None:
-                self.window_canary.sweep(window_runs(runs, self.engine.pool.window.translate(
-                    torch.arange(self.engine.config.num_slots))))
+                wruns = window_runs(runs, self.engine.pool.window.translate(torch.arange(self.engine.config.num_slots)))
+                self.window_canary.sweep(wruns)
+                self.window_canary.hold(_slots_of(wruns))
         for canary, b in self._canaries(batch):
             canary.prepare_head(b)
 
@@ -166,6 +173,8 @@ class CanaryHooks(EngineHooks):
         report = self.canary.flush(step)
         if self.window_canary is not None:
             report = self._merge_window(report, self.window_canary.flush(step))
+        if not report.violations:  # the last steps' reports are in: their tokens may go out
+            self.engine.delivery.advance(step, flush=True)
         return report
 
     def window_report(self) -> dict | None:

@@ -19,6 +19,7 @@ import torch
 from kvcanary.engine.cache_manager import CacheManager
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.cuda_graph import DecodeGraphs
+from kvcanary.engine.delivery import Delivery
 from kvcanary.engine.forward_batch import build_forward_batch
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.engine.host_tier import HostTier
@@ -76,6 +77,7 @@ class Engine:
         self.graphs = DecodeGraphs(config.graph_batch_sizes) if config.cuda_graph else None
         self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
+        self.delivery = Delivery()  # a canary's hooks set its lag to the canary's report lag
         self._next_id = 0
         self._late_writes: list[InFlightWrite] = []  # zoo (Bug.ABORT_INFLIGHT_WRITE)
 
@@ -178,7 +180,11 @@ class Engine:
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         accepted = {r.request_id: self.sampler.accept_drafts(r.request_id, r.num_tokens, r.draft_ids)
                     for r in reqs if r.draft_ids}
+        held = {r.request_id: r.slots.clone() for r in reqs} if self.delivery.lag else {}
         finished = self.scheduler.postprocess(plan, new_tokens, self.step_index, accepted)
+        for r in reqs:  # a late report may name the slots they read, whatever they hold by then
+            self.delivery.sampled(r, held.get(r.request_id), self.step_index)
+        self.delivery.advance(self.step_index)
         self.stats.num_steps += 1
         self.hooks.after_step(self.step_index)
         self.step_index += 1
@@ -266,14 +272,20 @@ class Engine:
         """Quarantine ``bad_slots`` (never handed out again; prefix-cache nodes holding one are
         dropped) and make the named running requests, and any running request whose slots include
         a bad one, re-prefill from prompt + outputs, forgetting outputs sampled at ``since_step``
-        or later (they may have read corrupted K/V). Safe to call from ``after_forward``: retracted
-        requests produce nothing in the current step. Returns the ids retracted, oldest first."""
+        or later (they may have read corrupted K/V; none of them was delivered, see ``delivery``).
+        With reports one step late, the requests that read a bad slot at ``since_step`` or later
+        (``delivery.holding``) count as named, and a named request that finished or was
+        preempted since, without its outputs delivered, drops them and is re-queued the same way.
+        Safe to call from ``after_forward``: retracted requests produce nothing in the current
+        step. Returns the ids retracted."""
         bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
         if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
             raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
         bad = bad[bad >= self.config.page_size]  # page 0 is reserved and never handed out
         named = {self._get(i).request_id for i in request_ids}
         bad_set = set(bad.tolist())
+        if since_step is not None:  # reports one step late: who read a bad slot since, not yet delivered
+            named |= self.delivery.holding(bad_set, since_step)
         affected = [
             r for r in self.scheduler.running if r.request_id in named or bad_set & set(r.slots.tolist())
         ]
@@ -281,6 +293,19 @@ class Engine:
             self.scheduler.retract(req)
             if since_step is not None:
                 req.drop_outputs_since(since_step)
+                self.delivery.dropped(req)
+        if since_step is not None:  # finished or preempted since, not delivered yet (late reports): redo
+            for rid in sorted(named):
+                req = self.requests[rid]
+                if req.status in (RequestStatus.FINISHED, RequestStatus.PREEMPTED) \
+                        and any(s >= since_step for s in req.output_steps) \
+                        and not self.delivery.is_delivered(req, since_step):
+                    req.drop_outputs_since(since_step)
+                    self.delivery.dropped(req)
+                    if req.status is RequestStatus.FINISHED:
+                        req.status = RequestStatus.PREEMPTED
+                        self.scheduler.waiting.appendleft(req)
+                    affected.append(req)
         self.stats.num_recomputes += len(affected)
         self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return [r.request_id for r in affected]

@@ -15,7 +15,7 @@ at the point where the race lets it land (after the new owner's write; after the
 | bug                      | switch in                           | first detection                   |
 |--------------------------|-------------------------------------|-----------------------------------|
 | abort_inflight_write     | ``Engine.abort``                    | fingerprint @ TAIL                |
-| prefix_page_off_by_one   | ``CacheManager.reserve``            | verify_token(+fingerprint) @ TAIL |
+| prefix_page_off_by_one   | ``CacheManager.reserve``            | read_conflict @ HEAD              |
 | padding_writes_live_slot | ``Engine._padding``                 | fingerprint @ TAIL (or SWEEP)     |
 | offload_shared_host_row  | ``HostTier.offload``                | chain+position @ SWEEP (load-back)|
 | load_back_unordered      | ``HostTier.load``                   | fingerprint @ SWEEP (load-back)   |
@@ -82,10 +82,10 @@ CATALOGUE: dict[Bug, BugInfo] = {
         "When a request's cached prefix is exactly one page, the test whether the last prefix page "
         "still has room is off by one (`prefix_len <= page_size`): position page_size is mapped to the "
         "slot after the last prefix slot, the first slot of the next physical page, which another "
-        "sequence owns. The request writes its token there; the owner's cached record is replaced by "
-        "one with the same chain and position but another token, and the owner's next slot no longer "
-        "links to it.",
-        LaunchPoint.TAIL, Reason.VERIFY_TOKEN, Reason.FINGERPRINT | Reason.CHAIN | Reason.POSITION,
+        "sequence owns. The request writes its token there, into a slot a request of the same batch "
+        "reads: HEAD's write-conflict check names both before the model runs (without it, the owner's "
+        "record is replaced by one with the same chain and position but another token).",
+        LaunchPoint.HEAD, Reason.READ_CONFLICT, Reason(0),
         "a prefix hit of exactly one page; token truth"),
     Bug.PADDING_WRITES_LIVE_SLOT: BugInfo(
         "padding lanes write K/V into a live slot",

@@ -16,6 +16,7 @@ from kvcanary.faults.chunk_boundary_token import ChunkBoundaryToken
 from kvcanary.faults.hooks import FaultHooks, attach_faults
 from kvcanary.faults.host_row_flip import HostRowFlip
 from kvcanary.faults.host_row_mismatch import HostRowMismatch
+from kvcanary.faults.page_table_bad_entry import PageTableBadEntry
 from kvcanary.faults.page_table_repoint import PageTableRepoint
 from kvcanary.faults.position_skew import PositionSkew
 from kvcanary.faults.prefill_after_check import PrefillAfterCheck
@@ -27,18 +28,21 @@ from kvcanary.faults.stamp_corruption import StampCorruption, StampField
 from kvcanary.faults.transfer_byte_flip import TransferByteFlip
 from kvcanary.faults.transfer_wrong_slot import TransferWrongSlot
 from kvcanary.faults.used_slot_flip import UsedSlotFlip
+from kvcanary.faults.write_target_duplicate import WriteTargetDuplicate
 from kvcanary.faults.written_slot_flip import WrittenSlotFlip
 
 FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
     PageTableRepoint, UsedSlotFlip, CachedSlotFlip, WrittenSlotFlip, SampledTokenSwap, PositionSkew,
-    ChunkBoundaryToken, StampCorruption, HostRowFlip, HostRowMismatch, StaleSlotReuse)}
+    ChunkBoundaryToken, StampCorruption, HostRowFlip, HostRowMismatch, StaleSlotReuse, PageTableBadEntry,
+    WriteTargetDuplicate)}
 WINDOW_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (SlidingWindowLut,)}
 PD_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
     TransferByteFlip, TransferWrongSlot, StaleTransferWrite, PrefillAfterCheck)}
 PENDING_FAULTS: dict[str, type[Fault]] = {}
 
 __all__ = ["FAULTS", "PD_FAULTS", "PENDING_FAULTS", "WINDOW_FAULTS", "CachedSlotFlip", "ChunkBoundaryToken",
-           "Expectation", "Fault", "FaultHooks", "HostRowFlip", "HostRowMismatch", "Injection", "PageTableRepoint",
+           "Expectation", "Fault", "FaultHooks", "HostRowFlip", "HostRowMismatch", "Injection", "PageTableBadEntry",
+           "PageTableRepoint",
            "PositionSkew", "PrefillAfterCheck", "SampledTokenSwap", "SlidingWindowLut", "StaleSlotReuse",
            "StaleTransferWrite", "StampCorruption", "StampField", "TransferByteFlip", "TransferWrongSlot",
-           "UsedSlotFlip", "WrittenSlotFlip", "attach_faults"]
+           "UsedSlotFlip", "WriteTargetDuplicate", "WrittenSlotFlip", "attach_faults"]

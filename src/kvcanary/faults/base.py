@@ -165,8 +165,11 @@ class Fault:
     def record(self, step: int, slot: int, detail: str, affected: set[int]) -> Injection:
         inj = Injection(self.name, step, slot, detail, {s for s in affected | {slot} if s > 0})
         self.injections.append(inj)
-        log.warning("fault %s: step=%d slot=%d %s", self.name, step, slot, detail)
+        self.record_log(step, inj)
         return inj
+
+    def record_log(self, step: int, inj: Injection) -> None:
+        log.warning("fault %s: step=%d slot=%d %s", self.name, step, inj.slot, inj.detail)
 
     def batch_requests(self, batch: ForwardBatch) -> list[tuple[int, int, int, int]]:
         """(index in batch, request id, prefix_len, extend_len) of every real request of ``batch``."""

@@ -3,9 +3,9 @@
 Before HEAD, one extend entry of a request that prefills is pointed at a prefix slot of another
 running request (the victim), as if the allocator had handed out a slot freed too early: the
 forward writes the new token's K/V there and HEAD stamps it with the new owner's record. The
-victim reads the slot in the same forward, so TAIL (which verifies every prefix again after the
-forward) reports it first: the slot's chain and position belong to another sequence (with
-fingerprints on, the new owner's stamp has no fingerprint yet; with token truth, the token differs).
+victim reads the slot in the same forward, so HEAD's write-conflict check reports it before the
+model runs: read_conflict, naming the writer and the victim (TAIL then also reports the victim's
+broken chain and position).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class StaleSlotReuse(Fault):
     """``victim_id``: the request whose slot is reused (None: a random running request)."""
 
     name = "stale_slot_reuse"
-    expected = Expectation(LaunchPoint.TAIL, Reason.CHAIN, Reason.POSITION | Reason.FINGERPRINT | Reason.VERIFY_TOKEN)
+    expected = Expectation(LaunchPoint.HEAD, Reason.READ_CONFLICT)
 
     def __init__(self, *, victim_id: int | None = None, **gate):
         super().__init__(**gate)

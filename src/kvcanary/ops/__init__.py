@@ -11,6 +11,7 @@ elsewhere). Every op is exported here under its public name; the modules are int
 | stamp                   | stamp.py       | write records for the slots a forward writes (prefix scan)   |
 | fingerprint             | fingerprint.py | hash the K/V bytes of slots, from one or more KV sources     |
 | check_forward           | check.py       | HEAD or TAIL as one fused launch (plan + verify + stamp)     |
+| check_writes            | conflicts.py   | HEAD's write conflicts: duplicate targets, targets read/held |
 
 Every op that writes records or reports takes ``state=``, one ``DeviceState`` (state.py: records,
 violation ring and counter, stats, error flags, workspaces), allocated by ``DeviceState.allocate``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from kvcanary.ops._common import HAS_TRITON, Backend
 from kvcanary.ops.check import check_forward
+from kvcanary.ops.conflicts import check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
@@ -39,6 +41,7 @@ __all__ = [
     "Workspace",
     "build_plan",
     "check_forward",
+    "check_writes",
     "fingerprint",
     "gather_expected_tokens",
     "offsets_from_lengths",

@@ -1,6 +1,7 @@
 """check_forward: a whole HEAD or TAIL of one forward in a single launch, straight from the page table.
 
-HEAD (``stamp=True``) = ``build_plan`` + ``verify`` + ``gather_expected_tokens`` + ``stamp``;
+HEAD (``stamp=True``) = ``build_plan`` + ``verify`` + ``check_writes`` + ``gather_expected_tokens`` +
+``stamp``;
 TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``fingerprint(record=True)``
 of the written slots (translated through ``lut``). The results are those of that sequence, byte
 for byte (rows in the ring in any order), with one difference: there is no plan, so nothing
@@ -54,6 +55,7 @@ from kvcanary.ops._common import (
 )
 from kvcanary.ops._jit import find_segment, link64, seg_add
 from kvcanary.ops._ring import validate_ring
+from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
     block_words,
@@ -108,7 +110,7 @@ def validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_tok
 # --- torch path: the sequence of ops it replaces -----------------------------------------------
 
 def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, window, tag, stamp,
-                 sources, mode, meta):
+                 sources, mode, meta, held):
     canary = state.records
     bs, (rows, max_ctx) = rpi.shape[0], rtt.shape
     active = (rpi >= 1) & (rpi < rows)
@@ -121,6 +123,8 @@ def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth
     verify(state=state, plan=plan, tag=tag, sources=sources, mode=mode, meta=meta, backend=Backend.TORCH)
     woff = plan.write_offsets[: bs + 1]
     if stamp:
+        check_writes(state=state, plan=plan, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
+                     write_offsets=woff, tag=tag, lut=lut, held=held, backend=Backend.TORCH)
         expected = None
         if truth is not None:
             expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=rpi,
@@ -159,10 +163,10 @@ def _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_p
 
 @triton.jit
 def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                    stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r, s, split, rows, max_ctx, rtt_stride,
-                    lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, HAS_LUT: tl.constexpr,
-                    HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
-                    BLOCK_W: tl.constexpr):
+                    marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r, s, split, rows,
+                    max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
+                    HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+                    BLOCK_W: tl.constexpr, MARK: tl.constexpr):
     """Verify request r's prefix entries of split s: ``verify`` on the entries ``build_plan`` makes."""
     row = tl.load(rpi_ptr + r)
     active = (row >= 1) & (row < rows)
@@ -182,8 +186,11 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         p = lo + base + lane
         p = tl.minimum(tl.maximum(p, 0), max_ctx - 1)
         # the plan stores slots, positions and tokens as int32
-        slot = _translate(tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0), lut_ptr, lut_len, HAS_LUT)
+        entry = tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0).to(tl.int64)
+        slot = _translate(entry, lut_ptr, lut_len, HAS_LUT)
         slot = slot.to(tl.int32).to(tl.int64)
+        if MARK:  # HEAD: the slots this request reads, for the writers' conflict check
+            mark_slots(marks_ptr, slot, m, tl.zeros_like(p) + row, mkey, num_slots, 1)
         pred = _translate(tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p - 1, 0), mask=m, other=0),
                           lut_ptr, lut_len, HAS_LUT)
         pred = tl.where(p > 0, pred, -1).to(tl.int32).to(tl.int64)
@@ -191,9 +198,28 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         if HAS_TRUTH:
             known = m & (p < tlen) & (p < truth_width)
             etok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1).to(tl.int64)
-        checked += check_entries(words_ptr, slot, pred, p, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag,
-                                 w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
+        checked += check_entries(words_ptr, slot, pred, p, etok, entry, tl.zeros_like(p) + row, m, num_slots,
+                                 ring_ptr, counter_ptr, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                                 NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
+
+
+@triton.jit
+def _mark_writes(loc_ptr, woff_ptr, lut_ptr, held_ptr, marks_ptr, mkey, n, bs, n_held, num_slots, lut_len,
+                 HAS_LUT: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``check_writes``' marks of the written tokens (writers) and of the held slots (readers, row 0)."""
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    for c in range(0, n, BLOCK):
+        t = c + lane
+        live = t < n
+        slot = tl.load(loc_ptr + t, mask=live, other=0)
+        if HAS_LUT:
+            slot = _translate(slot, lut_ptr, lut_len, True)
+        mark_slots(marks_ptr, slot, live & (find_segment(woff_ptr + 1, t, bs, NBITS) < bs), t, mkey, num_slots, 0)
+    for c in range(0, n_held, BLOCK):
+        i = c + lane
+        h = i < n_held
+        mark_slots(marks_ptr, tl.load(held_ptr + i, mask=h, other=0), h, tl.zeros_like(i), mkey, num_slots, 1)
 
 
 @triton.jit
@@ -218,7 +244,8 @@ def _look_back(sum_ptr, flag_ptr, b, epoch4, max_spins):
 
 @triton.jit
 def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
-                 woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, w0_ptr, w1_ptr,
+                 marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr,
+                 w0_ptr, w1_ptr,
                  w2_ptr, w3_ptr, meta_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride, truth_width,
                  num_slots, ring_cap, tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
                  NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -264,9 +291,10 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
             tl.atomic_or(err_ptr, 4)
         has = tl.where(found != 0, has, tl.zeros_like(has))
         excl += tl.where((r == r0) & open_seg, carry, 0)
-        slot = tl.load(loc_ptr + t, mask=live, other=0)
+        loc = tl.load(loc_ptr + t, mask=live, other=0)
+        slot = loc
         if HAS_LUT:
-            slot = _translate(slot, lut_ptr, lut_len, True)
+            slot = _translate(loc, lut_ptr, lut_len, True)
         row = tl.load(rpi_ptr + r, mask=has, other=0)
         exp_tok = ids
         if HAS_TRUTH:  # gather_expected_tokens, inline
@@ -277,8 +305,10 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
                 & (p_w < tlen) & (p_w < truth_width)
             exp_tok = tl.where(known, tl.load(truth_ptr + row * truth_stride + p_w, mask=known, other=0).to(tl.int64),
                                ids)
-        stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
-                    ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
+        conflict_lanes(marks_ptr, woff_ptr, rpi_ptr, ring_ptr, counter_ptr, ring_cap, tag, mkey, t, has, slot, row, pos,
+                       ids, bs, num_slots, NBITS)
+        stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, loc, slot, row, exp_tok,
+                    num_slots, ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
     elif NUM_SOURCES > 0:
         for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
 
@@ -293,32 +323,38 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
 # every integer argument varies with the batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
                                "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid",
-                               "max_spins"])
+                               "max_spins", "n_held"])
 def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
                   pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
-                  flag_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len,
-                  truth_stride, truth_width, window, num_slots, ring_cap, tag, split, n_verify, grid, max_spins,
-                  STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
+                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows,
+                  max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, split,
+                  n_verify, grid, max_spins, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
+                  HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
                   NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
     epoch4 = tl.atomic_add(sync_ptr + 3, 0) * 4
+    mkey = epoch_key(tl.atomic_add(mepoch_ptr, 0))  # read before the last program out advances it
     if (ticket < 0) | (ticket >= grid):  # a stale workspace: this program has no role
         tl.atomic_or(err_ptr, 4)
     elif ticket == 0:
         if STAMP:
             _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_ptr, bs, rows, max_ctx,
                      rtt_stride, lut_len, HAS_LUT, 1024)
+            tl.debug_barrier()
+            _mark_writes(loc_ptr, woff_ptr, lut_ptr, held_ptr, marks_ptr, mkey, n, bs, n_held, num_slots, lut_len,
+                         HAS_LUT, NBITS, 1024)
         tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     elif ticket <= n_verify:
         v = ticket - 1
         _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                        stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, v // split, v % split, split, rows,
+                        marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, v // split, v % split,
+                        split, rows,
                         max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
-                        HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W)
+                        HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W, STAMP)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
@@ -329,7 +365,8 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
             spins += 1
         if done == n_verify + 1:
             _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
-                         woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, w0_ptr,
+                         marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr,
+                         err_ptr, w0_ptr,
                          w1_ptr, w2_ptr, w3_ptr, meta_ptr, ticket - 1 - n_verify, epoch4, max_spins, n, bs, rows,
                          lut_len, truth_stride, truth_width, num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH,
                          NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
@@ -341,6 +378,8 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
         tl.atomic_xchg(sync_ptr + 2, 0)
         tl.atomic_xchg(sync_ptr + 1, 0)
         tl.atomic_add(sync_ptr + 3, 1, sem="release")
+        if STAMP:
+            tl.atomic_add(mepoch_ptr, 1, sem="release")
 
 
 def verify_split(bs: int, max_ctx: int, block: int) -> int:
@@ -354,7 +393,8 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
                   truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None, sources=(),
                   mode: FingerprintMode = FingerprintMode.NONE, meta: torch.Tensor | None = None,
                   lut: torch.Tensor | None = None, window: int = 0, split: int | None = None,
-                  max_spins: int | None = None, backend: Backend = Backend.AUTO) -> None:
+                  max_spins: int | None = None, marks: WriteMarks | None = None, held: torch.Tensor | None = None,
+                  backend: Backend = Backend.AUTO) -> None:
     """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc) on ``state``.
     Never raises on values; raises InputTypeError / InputError for wrong dtypes, shapes, devices,
     sources, meta, tag or a state whose workspace is too small, before anything is written. The
@@ -363,13 +403,16 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     ``verify_split`` on CUDA, 1 elsewhere, where the Triton interpreter runs programs one by one);
     the results do not depend on it. ``max_spins``: polls a waiting program makes before it gives
     up and raises ``DeviceFlag.WORKSPACE`` in ``state.error`` (None: 2**24 on CUDA, seconds of
-    waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits)."""
+    waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits).
+    HEAD also checks the write targets (``ops.conflicts``): ``marks`` is its scratch (allocated per
+    call when None, which is not capturable), ``held`` the idle prefix-cache slots."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     tag, workspace = validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids,
                                     positions, out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources,
                                     mode)
     device = state.device
     meta = validate_meta(meta, sources, mode, device)
+    validate_marks(marks, held, state.num_slots, device)
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("extend_lens", extend_lens), ("input_ids", input_ids), ("positions", positions),
                     ("out_cache_loc", out_cache_loc), ("truth_lens", truth_lens), ("lut", lut)):
@@ -385,7 +428,8 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         raise InputError(f"max_spins {max_spins!r} out of range [1, 2**62); pass None for the default")
     if not use_triton(backend, device):
         _check_torch(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
-                     out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta)
+                     out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta,
+                     held if stamp else None)
         return
     n, bs = input_ids.shape[0], req_pool_indices.shape[0]
     rows, max_ctx = req_to_token.shape
@@ -393,6 +437,8 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         workspace = Workspace.allocate(max(bs, 1), max(n, 1), device)
     if max_spins is None:
         max_spins = 1 << 24 if device.type == "cuda" else 64
+    if stamp and marks is None:
+        marks = WriteMarks.allocate(state.num_slots, device)
     fp_sources = sources
     block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
         if fp_sources else 512
@@ -409,9 +455,12 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         lut if lut is not None else workspace.seed, truth_t, truth_lens if truth_lens is not None else prefix_lens,
         input_ids, positions, out_cache_loc, state.ring, state.ring_counter, state.stats, state.error,
         workspace.sync, workspace.write_offsets, workspace.seed, workspace.block_sum, workspace.block_flag,
-        *source_words(fp_sources, workspace.seed), meta if meta is not None else workspace.sync,
+        marks.words if stamp else workspace.sync, marks.epoch if stamp else workspace.sync,
+        held if stamp and held is not None else workspace.sync, *source_words(fp_sources, workspace.seed),
+        meta if meta is not None else workspace.sync,
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
+        held.shape[0] if stamp and held is not None else 0,
         STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
         NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
         BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)

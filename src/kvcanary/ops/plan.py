@@ -8,6 +8,8 @@ Verify plan (one entry per prefix slot a request reads; capacity fixed at alloca
 | pred      | int32[cap]      | T(req_to_token[row, p-1]) for p > 0, else -1                |
 | position  | int32[cap]      | p                                                           |
 | token     | int32[cap]      | truth[row, p] when known, else -1                           |
+| entry     | int32[cap]      | req_to_token[row, p] as it is (names a bad entry)           |
+| row       | int32[cap]      | the request's page-table row                                |
 | count     | int64[1]        | entries requested (may exceed cap)                          |
 | enable    | int32[1]        | 1 when count <= cap; 0 disables this step's verify          |
 | overflow  | int64[1]        | steps whose verify was disabled by overflow (cumulative)    |
@@ -66,6 +68,8 @@ class Plan:
     verify_offsets: torch.Tensor
     write_offsets: torch.Tensor
     seed: torch.Tensor
+    entry: torch.Tensor
+    row: torch.Tensor
 
     def __post_init__(self):
         """Every buffer 1-D, contiguous, of its dtype, on one device; entry buffers of one length
@@ -74,8 +78,9 @@ class Plan:
         cap, max_bs = self.slot.shape[0], self.seed.shape[0]
         if cap < 1 or max_bs < 1:
             raise InputError(f"Plan capacity {cap} and max_bs {max_bs} must be >= 1; use Plan.allocate")
-        check_buffers("Plan", self, {}, dict(pred=cap, position=cap, token=cap, count=1, enable=1, overflow=1,
-                                             verify_offsets=max_bs + 1, write_offsets=max_bs + 1),
+        check_buffers("Plan", self, {}, dict(pred=cap, position=cap, token=cap, entry=cap, row=cap, count=1,
+                                             enable=1, overflow=1, verify_offsets=max_bs + 1,
+                                             write_offsets=max_bs + 1),
                       f"capacity {cap}, max_bs {max_bs}")
 
     @classmethod
@@ -87,7 +92,7 @@ class Plan:
         return cls(torch.zeros(capacity, **i32), torch.full((capacity,), -1, **i32), torch.zeros(capacity, **i32),
                    torch.full((capacity,), -1, **i32), torch.zeros(1, **i64), torch.zeros(1, **i32),
                    torch.zeros(1, **i64), torch.zeros(max_bs + 1, **i64), torch.zeros(max_bs + 1, **i64),
-                   torch.full((max_bs,), -1, **i64))
+                   torch.full((max_bs,), -1, **i64), torch.zeros(capacity, **i32), torch.zeros(capacity, **i32))
 
     @property
     def capacity(self) -> int:
@@ -100,7 +105,8 @@ class Plan:
 
 _PLAN_FIELDS = (("slot", torch.int32), ("pred", torch.int32), ("position", torch.int32), ("token", torch.int32),
                 ("count", torch.int64), ("enable", torch.int32), ("overflow", torch.int64),
-                ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64))
+                ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64),
+                ("entry", torch.int32), ("row", torch.int32))
 
 
 def validate_plan_buffers(plan, device: torch.device) -> None:
@@ -110,7 +116,8 @@ def validate_plan_buffers(plan, device: torch.device) -> None:
     if plan.slot.device != device:
         raise InputError(f"plan is on {plan.slot.device} but the state is on {device}")
     cap = plan.capacity
-    if any(getattr(plan, n).shape[0] != cap for n in ("pred", "position", "token")) or plan.count.shape[0] != 1:
+    if any(getattr(plan, n).shape[0] != cap for n in ("pred", "position", "token", "entry", "row")) \
+            or plan.count.shape[0] != 1:
         raise InputError("plan buffers were resized since the Plan was built; use Plan.allocate")
 
 
@@ -218,6 +225,8 @@ def _plan_torch(rpi, prefix_lens, extend_lens, rtt, plan, truth, truth_lens, lut
     r = searchsorted_right(voff[1:], e)
     p = lo[r] + (e - voff[r])
     rr = row[r]
+    plan.entry[:m] = rtt[rr, p]
+    plan.row[:m] = rr.to(torch.int32)
     plan.slot[:m] = _translate_torch(rtt[rr, p], lut).to(torch.int32)
     pred = _translate_torch(rtt[rr, (p - 1).clamp(min=0)], lut)
     plan.pred[:m] = torch.where(p > 0, pred, torch.full_like(pred, -1)).to(torch.int32)
@@ -277,7 +286,8 @@ def _plan_offsets_kernel(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, voff
 
 @triton.jit
 def _plan_entries_kernel(rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, voff_ptr, count_ptr,
-                         slot_ptr, pred_ptr, pos_ptr, tok_ptr, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
+                         slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, row_ptr,
+                         bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
                          truth_width, window, cap, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
                          NBITS: tl.constexpr, BLOCK: tl.constexpr):
     """Persistent grid over entries e < min(count, cap): binary-search the request r owning e,
@@ -297,10 +307,13 @@ def _plan_entries_kernel(rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_
             lo = tl.maximum(p_end - window, 0)
         p = lo + e - tl.load(voff_ptr + r, mask=m, other=0)
         p = tl.minimum(tl.maximum(p, 0), max_ctx - 1)
-        slot = _translate(tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0), lut_ptr, lut_len, HAS_LUT)
+        entry = tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0)
+        slot = _translate(entry, lut_ptr, lut_len, HAS_LUT)
         prev = _translate(tl.load(rtt_ptr + row * rtt_stride + tl.maximum(p - 1, 0), mask=m, other=0),
                           lut_ptr, lut_len, HAS_LUT)
         prev = tl.where(p > 0, prev, -1)
+        tl.store(entry_ptr + e, entry, mask=m)
+        tl.store(row_ptr + e, row.to(tl.int32), mask=m)
         tok = tl.full((BLOCK,), -1, dtype=tl.int32)
         if HAS_TRUTH:
             tlen = tl.load(tlen_ptr + r, mask=m, other=0)
@@ -339,7 +352,8 @@ def build_plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
         _plan_entries_kernel[(grid,)](
             req_pool_indices, prefix_lens, req_to_token, lut_t, truth_t, tlen_t, plan.verify_offsets, plan.count,
-            plan.slot, plan.pred, plan.position, plan.token, bs, rows, max_ctx, req_to_token.stride(0), lut_len,
+            plan.slot, plan.pred, plan.position, plan.token, plan.entry, plan.row,
+            bs, rows, max_ctx, req_to_token.stride(0), lut_len,
             truth_t.stride(0), truth_t.shape[1], window, plan.capacity, HAS_LUT=lut is not None,
             HAS_TRUTH=truth is not None, NBITS=num_bits(bs), BLOCK=block, num_warps=4)
     else:

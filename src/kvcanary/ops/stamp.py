@@ -17,8 +17,10 @@ The chain is a segmented exclusive scan: for token j of request r,
 ``base[r] = chain[seed] + link(token[seed], position[seed])``, or ANCHOR when there is no seed.
 Checks: WRITE_POSITION when ``positions[t] != prefix_lens[r] + j`` or (j == 0) the seed's stored
 position + 1 differs; WRITE_TOKEN when ``input_ids[t] != expected_tokens[t]``. Violations go to the
-ring with the written position/token as the stored fields. Slots <= 0 or >= num_slots are
-skipped. ``stats[tag, STAMPED]`` counts stamped slots.
+ring with the written position/token as the stored fields. Slots <= 0 or >= num_slots (after the
+LUT) are not written; for a real request (row != 0) such a target is a BAD_ENTRY row: slot = the
+``out_cache_loc`` value, stored value = the request's page-table row, expected value = the
+translated slot (core.record). ``stats[tag, STAMPED]`` counts stamped slots.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kvcanary.ops.state import DeviceState
 
 WRITE_TOKEN = int(Reason.WRITE_TOKEN)
 WRITE_POSITION = int(Reason.WRITE_POSITION)
+BAD_ENTRY = int(Reason.BAD_ENTRY)
 
 
 def validate_stamp(state, out_cache_loc, input_ids, positions, req_pool_indices, prefix_lens, write_offsets,
@@ -107,12 +110,15 @@ def _stamp_torch(state, loc, ids, pos, rpi, prefix_lens, woff, seed, expected, l
     exp_pos = torch.where(pos != exp_pos, exp_pos, srec[:, POSITION] + 1)
     exp_tok = expected if expected is not None else ids
     tok_bad = real & (ids != exp_tok)
-    reasons = pos_bad.to(torch.int64) * WRITE_POSITION + tok_bad.to(torch.int64) * WRITE_TOKEN
-    stored = torch.where(pos_bad, pos, ids)
-    want = torch.where(pos_bad, exp_pos, exp_tok)
+    bad = real & ~ok
+    reasons = (pos_bad.to(torch.int64) * WRITE_POSITION + tok_bad.to(torch.int64) * WRITE_TOKEN
+               + bad.to(torch.int64) * BAD_ENTRY)
+    stored = torch.where(bad, rpi[rc], torch.where(pos_bad, pos, ids))
+    want = torch.where(bad, slot, torch.where(pos_bad, exp_pos, exp_tok))
     # read every seed before writing: a seed inside this forward's writes is a bug the kernel races on
     words[slot[ok]] = torch.stack([ids, pos, chain, torch.zeros_like(ids)], dim=1)[ok]
-    append_violations_torch(ring, counter, reasons != 0, tag, [slot, pos, ids, exp_tok, stored, want, reasons])
+    append_violations_torch(ring, counter, reasons != 0, tag,
+                            [torch.where(bad, loc, slot), pos, ids, exp_tok, stored, want, reasons])
     stats[tag, STAT_STAMPED] += ok.sum()
 
 
@@ -133,11 +139,11 @@ def _stamp_tails_kernel(ids_ptr, pos_ptr, woff_ptr, tails_ptr, n, bs, NBITS: tl.
 
 
 @triton.jit
-def stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
-                ring_ptr, counter_ptr, ring_cap, stats_ptr, tag):
+def stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, loc, slot, row, exp_tok,
+                num_slots, ring_ptr, counter_ptr, ring_cap, stats_ptr, tag):
     """Stamp the lanes of one block once their exclusive link sums ``excl`` are known: continue
     from the seed record, check positions and tokens, write the records of valid slots, report,
-    count. ``slot`` is already translated; ``row`` is request r's page-table row."""
+    count. ``loc`` is the target as given, ``slot`` translated; ``row`` is request r's page-table row."""
     s = tl.load(seed_ptr + r, mask=has, other=-1)
     seed_ok = has & (s > 0) & (s < num_slots)
     s = tl.where(seed_ok, s, 0)
@@ -152,14 +158,16 @@ def stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, exc
     pos_bad = real & ((pos != exp_pos) | (seed_ok & (t == start) & (s_pos + 1 != pos)))
     exp_pos = tl.where(pos != exp_pos, exp_pos, s_pos + 1)
     tok_bad = real & (ids != exp_tok)
-    reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8
+    bad = real & ~ok
+    reasons = pos_bad.to(tl.int64) * 16 + tok_bad.to(tl.int64) * 8 + bad.to(tl.int64) * 64
     dst = words_ptr + tl.where(ok, slot, 0) * 4
     tl.store(dst + 0, ids, mask=ok)
     tl.store(dst + 1, pos, mask=ok)
     tl.store(dst + 2, chain.to(tl.int64, bitcast=True), mask=ok)
     tl.store(dst + 3, tl.zeros_like(ids), mask=ok)
-    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, ids, exp_tok,
-                      tl.where(pos_bad, pos, ids), tl.where(pos_bad, exp_pos, exp_tok), reasons)
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, tl.where(bad, loc, slot), pos, ids, exp_tok,
+                      tl.where(bad, row, tl.where(pos_bad, pos, ids)), tl.where(bad, slot, tl.where(pos_bad, exp_pos,
+                                                                                                 exp_tok)), reasons)
     n_ok = tl.sum(ok.to(tl.int64), 0)
     tl.atomic_add(stats_ptr + tag * 3 + 2, n_ok, mask=n_ok > 0)
 
@@ -197,14 +205,15 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
             bb = b + lane
             carry += tl.sum(tl.load(tails_ptr + bb, mask=bb < pid, other=0).to(tl.uint64, bitcast=True), 0)
     excl += tl.where((r == r0) & (s0 < block_start), carry, 0)
-    slot = tl.load(loc_ptr + t, mask=live, other=0)
+    loc = tl.load(loc_ptr + t, mask=live, other=0)
+    slot = loc
     if HAS_LUT:
-        slot = _translate(slot, lut_ptr, lut_len, True)
+        slot = _translate(loc, lut_ptr, lut_len, True)
     row = tl.load(rpi_ptr + r, mask=has, other=0)
     exp_tok = ids
     if HAS_EXPECTED:
         exp_tok = tl.load(exp_ptr + t, mask=live, other=0)
-    stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, slot, row, exp_tok, num_slots,
+    stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, loc, slot, row, exp_tok, num_slots,
                 ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
 
 

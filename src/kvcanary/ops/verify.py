@@ -10,8 +10,11 @@ Entry e (slot, pred, position, token) with stored record (tok, pos, chain, fp) o
 | VERIFY_TOKEN | token != -1 and tok != token                                               |
 | FINGERPRINT  | sources given: fp != fingerprint of the slot's K/V bytes                   |
 
-Slot 0 is skipped. A slot < 0 or >= num_slots (unresolvable page-table entry) is reported as
-CHAIN+POSITION with stored fields -1. A predecessor outside (0, num_slots) counts as -1. Entries
+Slot 0 is skipped. A slot < 0 or >= num_slots (an unresolvable page-table entry: the plan's -1
+for the padding slot or an unmapped window slot, a negative or out-of-pool slot) is reported as
+BAD_ENTRY only: slot = the plan's ``entry``, stored position = the position, stored token = -1,
+stored value = the plan's ``row``, expected value = the resolved slot (see core.record). A
+predecessor outside (0, num_slots) counts as -1. Entries
 e < min(max(count, 0), cap) are checked when ``enable`` is non-zero; ``stats[tag]`` gets one launch and the
 number of slots checked. Rows go to the ring (order unspecified); the stored/expected value
 pair belongs to the first failing check in the order of the table.
@@ -50,6 +53,7 @@ from kvcanary.ops.state import DeviceState
 
 R_CHAIN, R_POSITION, R_FINGERPRINT, R_TOKEN = (int(Reason.CHAIN), int(Reason.POSITION), int(Reason.FINGERPRINT),
                                                int(Reason.VERIFY_TOKEN))
+R_BAD_ENTRY = int(Reason.BAD_ENTRY)
 
 
 def validate_verify(state, plan, tag, sources, mode):
@@ -86,8 +90,8 @@ def _verify_torch(state, plan, tag, sources, mode):
     exp_chain = torch.where(pred_ok, prec[:, CHAIN] + link_torch(prec[:, TOKEN], prec[:, POSITION]),
                             torch.full_like(slot, ANCHOR_S))
     check_chain = pred_ok | (epos == 0)
-    chain_bad = (inside & check_chain & (chain != exp_chain)) | wild
-    pos_bad = (inside & (pos != epos)) | wild
+    chain_bad = inside & check_chain & (chain != exp_chain)
+    pos_bad = inside & (pos != epos)
     tok_bad = inside & (etok != -1) & (tok != etok)
     fp_bad = torch.zeros_like(inside)
     stored_fp = exp_fp = torch.zeros_like(slot)
@@ -96,17 +100,21 @@ def _verify_torch(state, plan, tag, sources, mode):
         stored_fp = rec[:, FINGERPRINT]
         fp_bad = inside & (stored_fp != exp_fp)
     reasons = (chain_bad.to(torch.int64) * R_CHAIN + pos_bad.to(torch.int64) * R_POSITION
-               + fp_bad.to(torch.int64) * R_FINGERPRINT + tok_bad.to(torch.int64) * R_TOKEN)
+               + fp_bad.to(torch.int64) * R_FINGERPRINT + tok_bad.to(torch.int64) * R_TOKEN
+               + wild.to(torch.int64) * R_BAD_ENTRY)
     stored = torch.where(chain_bad, chain, torch.where(pos_bad, pos, torch.where(fp_bad, stored_fp, tok)))
-    want = torch.where(chain_bad, torch.where(wild, minus1, exp_chain),
-                       torch.where(pos_bad, epos, torch.where(fp_bad, exp_fp, etok)))
-    append_violations_torch(ring, counter, reasons != 0, tag, [slot, pos, tok, etok, stored, want, reasons])
+    want = torch.where(chain_bad, exp_chain, torch.where(pos_bad, epos, torch.where(fp_bad, exp_fp, etok)))
+    entry = plan.entry[:m].to(torch.int64)
+    prow = plan.row[:m].to(torch.int64)
+    cols = [torch.where(wild, entry, slot), torch.where(wild, epos, pos), tok, etok, torch.where(wild, prow, stored),
+            torch.where(wild, slot, want), reasons]
+    append_violations_torch(ring, counter, reasons != 0, tag, cols)
     stats[tag, STAT_CHECKED] += live.sum()
 
 
 @triton.jit
-def check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag, w0_ptr,
-                  w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+def check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag,
+                  w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_W: tl.constexpr):
     """The checks of the module doc on BLOCK entries (int64 lanes; ``m`` masks the live ones):
     violations to the ring; returns the number of entries checked (slot != 0)."""
@@ -123,8 +131,8 @@ def check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, cou
     p_pos = tl.load(prec + 1, mask=pred_ok, other=0)
     p_chain = tl.load(prec + 2, mask=pred_ok, other=0).to(tl.uint64, bitcast=True)
     exp_chain = tl.where(pred_ok, p_chain + link64(p_tok, p_pos), 0x4B5643414E415259)
-    chain_bad = (inside & (pred_ok | (epos == 0)) & (chain != exp_chain)) | wild
-    pos_bad = (inside & (pos != epos)) | wild
+    chain_bad = inside & (pred_ok | (epos == 0)) & (chain != exp_chain)
+    pos_bad = inside & (pos != epos)
     tok_bad = inside & (etok != -1) & (tok != etok)
     fp_bad = tl.zeros_like(inside)
     stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
@@ -136,20 +144,21 @@ def check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, cou
         stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
         fp_bad = inside & (stored_fp != exp_fp)
     reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
-               + tok_bad.to(tl.int64) * 32)
-    minus1 = tl.full((BLOCK,), -1, dtype=tl.int64).to(tl.uint64, bitcast=True)
+               + tok_bad.to(tl.int64) * 32 + wild.to(tl.int64) * 64)
     stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
                                                  tl.where(fp_bad, stored_fp, tok.to(tl.uint64, bitcast=True))))
-    want = tl.where(chain_bad, tl.where(wild, minus1, exp_chain),
-                    tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
-                             tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
-    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, slot, pos, tok, etok, stored, want,
-                      reasons)
+    want = tl.where(chain_bad, exp_chain, tl.where(pos_bad, epos.to(tl.uint64, bitcast=True),
+                                                   tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
+    stored = tl.where(wild, prow.to(tl.uint64, bitcast=True), stored)
+    want = tl.where(wild, slot.to(tl.uint64, bitcast=True), want)
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, tl.where(wild, entry, slot),
+                      tl.where(wild, epos, pos), tok, etok, stored, want, reasons)
     return tl.sum(live.to(tl.int64), 0)
 
 
 @triton.jit
-def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, enable_ptr, ring_ptr, counter_ptr,
+def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, row_ptr, count_ptr, enable_ptr,
+                   ring_ptr, counter_ptr,
                    stats_ptr, cap, num_slots, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
                    NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """Persistent grid: program p checks entries p*BLOCK + k*nprog*BLOCK + [0, BLOCK) below
@@ -167,7 +176,10 @@ def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, count_ptr, e
         pred = tl.load(pred_ptr + e, mask=m, other=-1).to(tl.int64)
         epos = tl.load(pos_ptr + e, mask=m, other=0).to(tl.int64)
         etok = tl.load(tok_ptr + e, mask=m, other=-1).to(tl.int64)
-        checked += check_entries(words_ptr, slot, pred, epos, etok, m, num_slots, ring_ptr, counter_ptr, ring_cap,
+        entry = tl.load(entry_ptr + e, mask=m, other=0).to(tl.int64)
+        prow = tl.load(row_ptr + e, mask=m, other=0).to(tl.int64)
+        checked += check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr, counter_ptr,
+        ring_cap,
                                  tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
     if pid == 0:
@@ -190,7 +202,8 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
             else 1024
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
         _verify_kernel[(grid,)](
-            record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.count, plan.enable, ring,
+            record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.entry, plan.row, plan.count,
+            plan.enable, ring,
             state.ring_counter, state.stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
             *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
             BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4, num_warps=4)

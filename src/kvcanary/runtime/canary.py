@@ -38,6 +38,7 @@ from kvcanary.core.record import (
 from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
 from kvcanary.ops.backend import HAS_TRITON, Backend
 from kvcanary.ops.check import check_forward
+from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
@@ -70,7 +71,15 @@ class PoolGeometry:
 @dataclass(frozen=True)
 class Recovery:
     """What the recompute policy hands the engine: re-prefill these requests from their token
-    history, dropping tokens produced at ``since_step`` or later, and quarantine these slots."""
+    history, dropping tokens produced at ``since_step`` or later, and quarantine these slots.
+
+    ``since_step`` is the first step whose forward could have read or written the damage: the
+    earliest step whose checks reported it. Every slot a forward reads is verified at its HEAD
+    and again at its TAIL, write targets are checked at HEAD (conflicts, bad entries) and at TAIL
+    (fingerprints), so damage is reported by the first forward that reads or writes it, in that
+    forward's own report. On the CPU that report is read before the step samples (nothing to
+    drop); on CUDA one step late, so an engine holds each token back until the report of its
+    step was read (``kvcanary.engine.delivery``). Bad entries name no slot to quarantine."""
 
     requests: tuple
     slots: tuple[int, ...]
@@ -113,6 +122,8 @@ class Canary:
         # records, ring, counter, stats, error flags, check_forward workspaces: one validated object
         self.state = DeviceState.allocate(geometry.num_slots, ring_capacity=config.ring_capacity,
                                           max_bs=config.max_bs, max_tokens=config.max_tokens, device=dev)
+        self.marks = WriteMarks.allocate(geometry.num_slots, dev)  # HEAD's write-conflict check (Triton)
+        self.held: torch.Tensor | None = None  # idle prefix-cache slots the next HEAD must not see written
         self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
@@ -189,7 +200,9 @@ class Canary:
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, lut=self._lut(b), window=self.window, backend=Backend.TRITON)
+                          truth_lens=truth_lens, lut=self._lut(b), window=self.window, marks=self.marks,
+                          held=self._held_now(), backend=Backend.TRITON)
+            self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
         build_plan(req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens,
@@ -197,13 +210,17 @@ class Canary:
                    lut=self._lut(b), window=self.window)
         verify(state=self.state, plan=self.plan, tag=tag)
         woff = self.plan.write_offsets[: bs + 1]
+        check_writes(state=self.state, plan=self.plan, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids,
+                     positions=b.positions, req_pool_indices=b.req_pool_indices, write_offsets=woff, tag=tag,
+                     lut=self._lut(b), held=self.held, marks=self.marks)
+        self.held = None
         expected = None
         if truth is not None:
             expected = gather_expected_tokens(truth=truth, truth_lens=truth_lens, req_pool_indices=b.req_pool_indices,
                                               prefix_lens=b.prefix_lens, extend_offsets=woff, input_ids=b.input_ids)
-        stamp(state=self.state, out_cache_loc=self._written(b), input_ids=b.input_ids, positions=b.positions,
+        stamp(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids, positions=b.positions,
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
-              seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected)
+              seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
@@ -229,6 +246,13 @@ class Canary:
                             state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
+    def _held_now(self) -> torch.Tensor | None:
+        """The held slots for this HEAD; none while a CUDA graph is being captured: a replay would
+        check every later step against the slots held at capture time."""
+        if self.held is not None and self.held.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        return self.held
+
     def _use_truth(self, b: ForwardBatch) -> bool:
         return self.config.truth and b.truth_offsets is not None
 
@@ -241,6 +265,12 @@ class Canary:
         return b.out_cache_loc if lut is None else lut[b.out_cache_loc]
 
     # --- sweeps and moved rows -----------------------------------------------------------------
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """Slots (int64, this pool's numbering) the prefix cache holds that no request reads: the
+        next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0)."""
+        if self.config.enabled:
+            self.held = slots.to(self.state.device, torch.int64)
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -269,8 +299,9 @@ class Canary:
         p, n = self.sweep_plan, len(slot)
         if n:
             dev = p.slot.device
-            for buf, vals in ((p.slot, slot), (p.pred, pred), (p.position, pos), (p.token, tok)):
+            for buf, vals in ((p.slot, slot), (p.pred, pred), (p.position, pos), (p.token, tok), (p.entry, slot)):
                 buf[:n].copy_(torch.tensor(vals, dtype=torch.int32), non_blocking=dev.type == "cuda")
+            p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
         p.enable.fill_(1)
         verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
@@ -358,6 +389,7 @@ class Canary:
         if not self.config.enabled:
             return report
         t0 = time.perf_counter()
+        self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
         self.reporter.snapshot(self._meta)
         self._meta = StepMeta(step + 1)
@@ -455,7 +487,8 @@ class Canary:
                                   report.violations)
         if policy is Policy.RECOMPUTE:
             reqs = tuple(dict.fromkeys(r for v in report.violations for r in v.requests))
-            slots = tuple(sorted({v.slot for v in report.violations if v.slot > 0}))
+            slots = tuple(sorted({v.slot for v in report.violations
+                                  if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY}))
             report.recovery = Recovery(reqs, slots, min(v.step for v in report.violations))
             self.totals.recomputed_requests += len(reqs)
 

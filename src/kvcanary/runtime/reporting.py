@@ -103,8 +103,20 @@ def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ..
         pos = meta.sweep_slots.get(row.slot)
         return (("cache", pos),) if pos is not None else ()
     b = meta.batch
+    if b is not None and row.reasons & Reason.BAD_ENTRY:  # named by its page-table row (core.record)
+        return _owners_by_row(b, row.stored_value, row.stored_position)
     if b is None or row.slot <= 0:
         return ()
+    if row.reasons & (Reason.WRITE_CONFLICT | Reason.READ_CONFLICT):  # both requests, whatever their tables hold
+        held = _owners_in_table(b, row)
+        named = [*_owners_by_row(b, row.stored_value, row.stored_position),
+                 *_owners_by_row(b, row.expected_value, -1)]
+        have = {r for r, _ in held}
+        return held + tuple(o for o in dict.fromkeys(named) if o[0] not in have)
+    return _owners_in_table(b, row)
+
+
+def _owners_in_table(b, row: ViolationRow) -> tuple[tuple[object, int], ...]:
     rows = b.req_pool_indices.cpu()
     ends = (b.prefix_lens + b.extend_lens).cpu()
     width = int(ends.max()) if ends.numel() else 0
@@ -116,6 +128,15 @@ def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ..
     hit = (table == row.slot) & (torch.arange(width)[None, :] < ends[:, None]) & (rows[:, None] != 0)
     ids = b.request_ids or tuple(range(b.batch_size))
     return tuple((ids[int(r)], int(p)) for r, p in torch.nonzero(hit).tolist())
+
+
+def _owners_by_row(b, table_row: int, position: int) -> tuple[tuple[object, int], ...]:
+    """The request of batch ``b`` on page-table row ``table_row`` (never the padding row 0)."""
+    if table_row <= 0:
+        return ()
+    ids = b.request_ids or tuple(range(b.batch_size))
+    hit = torch.nonzero(b.req_pool_indices.cpu() == table_row).flatten().tolist()
+    return tuple((ids[i], position) for i in hit)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Delivery: when a sampled token may reach the client.
+
+A token sampled at step k may come from a forward that read or wrote damaged K/V; the canary
+says so in the report of step k, which the engine reads ``lag`` steps later (0 on the CPU, where
+the report is read before the step samples; 1 on CUDA, where it is read one step late). So a
+token is *delivered* (appended to ``log``, streamed by a server) only once the report of the step
+that sampled it has been read: the tokens a recompute drops (``Request.drop_outputs_since``) were
+never delivered. ``retracted`` counts delivered tokens that were dropped anyway (it stays 0 when
+``Recovery.since_step`` is right).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvcanary.engine.request import Request
+
+
+class Delivered(NamedTuple):
+    step: int  # the step after which it was delivered
+    request_id: int
+    index: int  # its index in the request's outputs
+    token: int
+
+
+class Delivery:
+    def __init__(self, lag: int = 0):
+        self.lag = lag
+        self.log: list[Delivered] = []
+        self.retracted = 0
+        self._count: dict[int, int] = {}  # request id -> outputs delivered
+        self._pending: dict[int, Request] = {}  # requests with outputs not delivered yet
+        self._reads: dict[int, list[tuple[int, set[int]]]] = {}  # with a lag: undelivered steps, slots held
+
+    def sampled(self, req: Request, slots=None, step: int = -1) -> None:
+        """``req`` sampled at ``step`` holding ``slots`` (int64 tensor; kept only with a lag, for
+        ``holding``)."""
+        self._pending[req.request_id] = req
+        if self.lag and slots is not None:
+            self._reads.setdefault(req.request_id, []).append((step, set(slots.tolist())))
+
+    def holding(self, slots: set[int], since: int) -> set[int]:
+        """Requests with undelivered outputs sampled at ``since`` or later while holding one of
+        ``slots`` (whatever they are now: running, preempted, finished)."""
+        return {rid for rid, reads in self._reads.items() if any(s >= since and held & slots for s, held in reads)}
+
+    def dropped(self, req: Request) -> None:
+        """After ``req.drop_outputs_since``: count delivered outputs it no longer has."""
+        n = self._count.get(req.request_id, 0)
+        if len(req.output_ids) < n:
+            self.retracted += n - len(req.output_ids)
+            self._count[req.request_id] = len(req.output_ids)
+
+    def is_delivered(self, req: Request, step: int) -> bool:
+        """Whether any output ``req`` sampled at ``step`` or later was delivered already."""
+        n = self._count.get(req.request_id, 0)
+        return any(s >= step for s in req.output_steps[:n])
+
+    def advance(self, step: int, flush: bool = False) -> None:
+        """Deliver the outputs sampled at ``step - lag`` or earlier (all of them with ``flush``)."""
+        upto = step - self.lag
+        for rid in list(self._reads):
+            kept = [(s, held) for s, held in self._reads[rid] if s > upto and not flush]
+            if kept:
+                self._reads[rid] = kept
+            else:
+                del self._reads[rid]
+        for rid, req in list(self._pending.items()):
+            n = self._count.get(rid, 0)
+            while n < len(req.output_ids) and (flush or req.output_steps[n] <= upto):
+                self.log.append(Delivered(step, rid, n, req.output_ids[n]))
+                n += 1
+            self._count[rid] = n
+            if n == len(req.output_ids):
+                del self._pending[rid]
+
+    def tokens(self) -> dict[int, list[int]]:
+        """Request id -> its delivered tokens in order."""
+        out: dict[int, list[int]] = {}
+        for d in self.log:
+            out.setdefault(d.request_id, []).append(d.token)
+        return out
