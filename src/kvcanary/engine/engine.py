@@ -275,7 +275,8 @@ class Engine:
         or later (they may have read corrupted K/V; none of them was delivered, see ``delivery``).
         With reports one step late, the requests that read a bad slot at ``since_step`` or later
         (``delivery.holding``) count as named, and a named request that finished or was
-        preempted since, without its outputs delivered, drops them and is re-queued the same way.
+        preempted since, without its outputs delivered, drops them and is re-queued the same way;
+        one aborted since drops them and stays aborted.
         Safe to call from ``after_forward``: retracted requests produce nothing in the current
         step. Returns the ids retracted."""
         bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
@@ -294,9 +295,13 @@ class Engine:
             if since_step is not None:
                 req.drop_outputs_since(since_step)
                 self.delivery.dropped(req)
-        if since_step is not None:  # finished or preempted since, not delivered yet (late reports): redo
+        if since_step is not None:  # finished, preempted or aborted since, not delivered yet (late reports)
             for rid in sorted(named):
                 req = self.requests[rid]
+                if req.status is RequestStatus.ABORTED:  # its client is gone: drop, never deliver
+                    req.drop_outputs_since(since_step)
+                    self.delivery.dropped(req)
+                    continue
                 if req.status in (RequestStatus.FINISHED, RequestStatus.PREEMPTED) \
                         and any(s >= since_step for s in req.output_steps) \
                         and not self.delivery.is_delivered(req, since_step):
