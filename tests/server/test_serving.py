@@ -226,9 +226,20 @@ def test_drain_answers_in_flight_then_refuses():
         assert not service.live and not service.engine.requests
 
 
-def test_recompute_streams_only_fault_free_tokens():
+def set_report_lag(app, lag: int) -> None:
+    """Reports read ``lag`` steps late, as on CUDA (the engine is idle: no request was sent yet)."""
+    service = app.state.service
+    for canary in service.canaries():
+        canary.reporter.lag = lag
+    service.engine.delivery.lag = lag
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["in_step", "one_step_late"])
+def test_recompute_streams_only_fault_free_tokens(lag):
     """Under the recompute policy a slot flipped while streams run is caught and the readers are
-    re-prefilled: every token any stream ever emitted equals the fault-free run's, in order."""
+    re-prefilled: every token any stream ever emitted equals the fault-free run's, in order. With
+    reports one step late a token is streamed only once its step's report was read, and an idle
+    engine reads the last one (no stream waits forever for its last token)."""
     from kvcanary.config import Policy
 
     prompts = [f"stream {i}: the canary sings of KV" for i in range(4)]
@@ -248,9 +259,11 @@ def test_recompute_streams_only_fault_free_tokens():
         assert client.models.list().data[0].id == "kv-canary-reference"
         return asyncio.run(main())
 
-    with served(serve_config()) as (base, _):
+    with served(serve_config()) as (base, app):
+        set_report_lag(app, lag)
         clean = stream_all(base)
     with served(serve_config(Policy.RECOMPUTE)) as (base, app):
+        set_report_lag(app, lag)
         r = httpx.post(f"{base}/canary/faults/used_slot_flip", json={"seed": 5, "warmup_steps": 3}, headers=AUTH)
         assert r.status_code == 200, r.text
         recovered = stream_all(base)
@@ -275,3 +288,35 @@ def test_step_reports_stay_bounded_once_the_admin_log_has_them():
     assert len(service.hooks.reports) <= 256 and service.admin.log.next_id == 600
     assert service.fault_hooks._num_reports == len(service.hooks.reports)
     assert [r["step"] for r in service.admin.log.last(2)] == [598, 599]
+
+
+def test_with_late_reports_a_stream_gets_only_tokens_whose_report_was_read():
+    """Reports one step late (as on CUDA): after every engine step, what each generation was handed
+    is exactly what the engine delivered, never a token still waiting for its step's report; an
+    idle engine reads the last report and every generation finishes with all its tokens."""
+    from kvcanary.config import Policy
+    from kvcanary.server.service import EngineService
+
+    service = EngineService(serve_config(Policy.RECOMPUTE))
+    for canary in service.canaries():
+        canary.reporter.lag = 1
+    service.engine.delivery.lag = 1
+
+    async def main():
+        gens = await service.submit([_prompt(i) for i in range(3)], 6, [f"c{i}" for i in range(3)])
+        held_back = 0
+        for _ in range(200):
+            if not service._can_step():
+                break
+            service._step()
+            for gen in gens:
+                req = service.engine.requests.get(gen.engine_id)
+                if req is not None:
+                    delivered = service.engine.delivery.count(gen.engine_id)
+                    assert gen.tokens == req.output_ids[:delivered]
+                    held_back += len(req.output_ids) - delivered
+        return gens, held_back
+
+    gens, held_back = asyncio.run(main())
+    assert held_back > 0  # some tokens did wait for their report, so the check above could fail
+    assert all(g.is_done and len(g.tokens) == 6 for g in gens) and not service.engine.delivery.has_pending

@@ -144,7 +144,12 @@ class CanaryHooks(EngineHooks):
         report = self.canary.end_step(self.step)
         if self.window_canary is not None:
             report = self._merge_window(report, self.window_canary.end_step(self.step))
-        if report.violations or report.alarms:
+        self._handle(report)
+
+    def _handle(self, report: StepReport, keep: bool = True) -> None:
+        """Keep (``keep``) a report that found something; under recompute, redo what its recovery
+        names."""
+        if keep and (report.violations or report.alarms):
             self.reports.append(report)
         if report.recovery is not None:
             rec = report.recovery
@@ -167,14 +172,17 @@ class CanaryHooks(EngineHooks):
                                            min(rec.since_step, wrec.since_step))
         return report
 
-    def flush(self, step: int) -> StepReport:
-        """Read everything the canaries still have pending (end of a run; blocks on the device):
-        the full pool's report with the window pool's merged in."""
+    def flush(self, step: int, keep: bool = False) -> StepReport:
+        """Read everything the canaries still have pending (end of a run, or an idle server with
+        tokens waiting for their report; blocks on the device): the full pool's report with the
+        window pool's merged in. Its recovery is applied (the requests it names are re-queued),
+        then every output still held back is delivered. ``keep``: also keep it in ``reports`` (a
+        server that goes on stepping; a run reads the returned report instead)."""
         report = self.canary.flush(step)
         if self.window_canary is not None:
             report = self._merge_window(report, self.window_canary.flush(step))
-        if not report.violations:  # the last steps' reports are in: their tokens may go out
-            self.engine.delivery.advance(step, flush=True)
+        self._handle(report, keep)  # its recovery re-queues what it names
+        self.engine.delivery.advance(step, flush=True)  # every step's report is in: the rest may go out
         return report
 
     def window_report(self) -> dict | None:

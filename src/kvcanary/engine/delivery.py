@@ -51,6 +51,15 @@ class Delivery:
             self.retracted += n - len(req.output_ids)
             self._count[req.request_id] = len(req.output_ids)
 
+    def count(self, request_id: int) -> int:
+        """How many of the request's outputs were delivered (a client may have been sent them)."""
+        return self._count.get(request_id, 0)
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether some sampled outputs wait for their step's report."""
+        return bool(self._pending)
+
     def is_delivered(self, req: Request, step: int) -> bool:
         """Whether any output ``req`` sampled at ``step`` or later was delivered already."""
         n = self._count.get(req.request_id, 0)

@@ -240,7 +240,9 @@ class EngineService(AdminTarget):
             fut.set_exception(e)
 
     def _can_step(self) -> bool:
-        return self.error is None and self.engine.has_unfinished
+        """Work to do: requests to step, or (reports read one step late) tokens waiting for the
+        report of the last step, which an idle engine reads with a flush."""
+        return self.error is None and (self.engine.has_unfinished or self.engine.delivery.has_pending)
 
     def _loop(self) -> None:
         while True:
@@ -258,7 +260,12 @@ class EngineService(AdminTarget):
 
     def _step(self) -> None:
         try:
-            result = self.engine.step()
+            if self.engine.has_unfinished:
+                result = self.engine.step()
+                touched = dict.fromkeys((*result.request_ids, *result.finished_ids))
+            else:  # idle with tokens held back: read the last reports (a recovery may re-queue requests)
+                self.hooks.flush(self.engine.step_index, keep=True)
+                touched = dict.fromkeys(self.live)
         except (CanaryViolation, WatchdogTimeout) as e:
             self.admin.log.add(getattr(e, "violations", []), self.names)  # first: kept before clients hear
             self._stopped(str(e))
@@ -270,7 +277,9 @@ class EngineService(AdminTarget):
             return
         finally:
             self._feed_admin()
-        for rid in dict.fromkeys((*result.request_ids, *result.finished_ids)):
+        if self.engine.delivery.lag:  # a step delivers what earlier steps sampled
+            touched = dict.fromkeys(self.live)
+        for rid in touched:
             gen = self.live.get(rid)
             if gen is not None:
                 self._deliver(gen)
@@ -282,7 +291,8 @@ class EngineService(AdminTarget):
 
     def _deliver(self, gen: Generation) -> None:
         req = self.engine.requests[gen.engine_id]
-        out, n = req.output_ids, len(gen.tokens)
+        # only delivered tokens go out: their step's report has been read (see engine.delivery)
+        out, n = req.output_ids[: self.engine.delivery.count(gen.engine_id)], len(gen.tokens)
         if len(out) < n:
             gen._behind = True  # recompute retracted delivered tokens; they must come back the same
         elif len(out) > n:
@@ -298,7 +308,7 @@ class EngineService(AdminTarget):
             self.metrics.generation_tokens.inc(len(out) - n)
             if gen.stream and req.status is not RequestStatus.FINISHED:
                 gen._notify()
-        if req.status is RequestStatus.FINISHED and not gen._behind:
+        if req.status is RequestStatus.FINISHED and not gen._behind and len(out) == len(req.output_ids):
             self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
             gen._finish("length")
 
