@@ -180,6 +180,9 @@ def digest_torch(records: torch.Tensor, req_pool_indices: torch.Tensor, extend_l
 
 
 def _signal_torch(states, buffers, table, rank, batch) -> None:
+    if all(is_host(s.ring) for s in states):
+        _signal_host(states, buffers, table, rank, batch)
+        return
     rows = torch.zeros(1, dtype=torch.int64, device=buffers.device)
     code = torch.zeros(1, dtype=torch.int64, device=buffers.device)
     for k, s in enumerate(states):
@@ -201,6 +204,30 @@ def _signal_torch(states, buffers, table, rank, batch) -> None:
     buffers.step.add_(1)
     buffers.pending.zero_()
     buffers.alarm.zero_()
+
+
+def _signal_host(states, buffers, table, rank, batch) -> None:
+    """The torch path on host tensors: the scalars through numpy views (reading them is free
+    here), the ring rows and the digest vectorised."""
+    marks, pending = buffers.marks.numpy(), buffers.pending.numpy()
+    rows, code = 0, 0
+    for k, s in enumerate(states):
+        lo, hi = int(marks[k]), int(s.ring_counter[0])
+        rows += max(hi - lo, 0)
+        if min(hi, s.ring.shape[0]) > max(lo, 0):
+            code |= int(_ring_bits(s, lo, hi))
+        marks[k] = hi
+    if table is None:
+        pending[0] += rows
+        pending[1] |= code
+        return
+    out, alarm, step = table.numpy(), buffers.alarm.numpy(), buffers.step.numpy()
+    digest = int(digest_torch(states[0].records, *batch)) if batch is not None else 0
+    out[:] = 0
+    out[rank] = (rows + int(pending[0]), code | int(pending[1]) | (ALARM_BIT if alarm[0] else 0), digest, step[0])
+    step[0] += 1
+    pending[:] = 0
+    alarm[0] = 0
 
 
 # --- Triton kernel ----------------------------------------------------------------------------------
