@@ -126,6 +126,7 @@ class RankAgreement:
         self._events = [torch.cuda.Event() for _ in range(lag + 1)] if self.is_cuda else []
         self._side = torch.cuda.Stream(device=dev) if self.is_cuda else None
         self._device_step: int | None = None  # the step the next issue writes (buffers.step)
+        self._side_copy = False  # an eager launch's table copy is on the side stream
         self._work = None
         self._in_flight: deque[_InFlight] = deque()
         self._launches = 0
@@ -152,8 +153,14 @@ class RankAgreement:
 
     def prepare(self, step: int) -> None:
         """Before the device half of ``step`` (outside any capture): set the step the signal
-        carries when it is not the one after the last (a write only then)."""
-        if self.enabled and step != self._device_step:
+        carries when it is not the one after the last (a write only then); on CUDA, order the
+        table's rewrite after the copy an eager launch left on the side stream."""
+        if not self.enabled:
+            return
+        if self._side_copy:
+            torch.cuda.current_stream().wait_stream(self._side)
+            self._side_copy = False
+        if step != self._device_step:
             self.buffers.step.fill_(step)
             self._device_step = step
 
@@ -171,8 +178,6 @@ class RankAgreement:
             self._work = dist.all_reduce(table, group=self.group, async_op=True)
             return
         current = torch.cuda.current_stream()
-        if not torch.cuda.is_current_stream_capturing():
-            current.wait_stream(self._side)  # the previous table's copy is done before the table is rewritten
         signal_row(states=self.states, buffers=self.buffers, table=table, rank=self.rank, **tensors)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):  # the forward does not wait for the signal's all-reduce
@@ -196,6 +201,7 @@ class RankAgreement:
             with torch.cuda.stream(stream):
                 self._hosts[k].copy_(self._tables[0], non_blocking=True)
                 self._events[k].record(stream)
+            self._side_copy = not replayed  # the next prepare orders the table's rewrite after it
         request_ids = tuple(r for r in (batch.request_ids or ()) if r is not None) if batch is not None else ()
         self._in_flight.append(_InFlight(step, k, work, request_ids))
         self._launches += 1
