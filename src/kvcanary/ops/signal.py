@@ -1,4 +1,5 @@
 """signal_row: one rank's row of the tensor-parallel agreement's table, built on the device.
+Public as ``kvcanary.distributed.signal_row`` (with ``SignalBuffers``), the agreement's op.
 
 The row (``int64[4]``) a rank contributes to the all-reduced ``int64[world, 4]`` table:
 
