@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.distributed import RankAgreement, RanksOutOfStep
-from kvcanary.distributed.signal import ROWS, STEP
+from kvcanary.distributed.signal import ALARM_BIT, ROWS, STEP
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.model import TinyLlama
 from kvcanary.engine.tp import RankCanaryHooks, build_rank_engine, rank_model_config
@@ -20,7 +20,7 @@ from kvcanary.errors import CanaryViolation, ConfigError
 from kvcanary.faults import PageTableRepoint
 from kvcanary.faults.hooks import FaultHooks
 from kvcanary.runs.driver import run_workload
-from kvcanary.runtime.canary import Canary, PoolGeometry
+from kvcanary.runtime.canary import Canary, PoolGeometry, WatchdogTimeout
 
 
 def test_needs_an_initialised_group_and_a_log_canary():
@@ -167,3 +167,30 @@ def test_shard_and_rank_shapes_refuse_heads_that_do_not_split():
     w, f = model.layers[0], full.layers[0]
     assert torch.equal(w.wq, f.wq[32:64]) and torch.equal(w.wk, f.wk[16:32]) and torch.equal(w.wo, f.wo[:, 32:64])
     assert torch.equal(w.w_up, f.w_up[64:]) and torch.equal(w.w_down, f.w_down[:, 64:])  # rank 1: second halves
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("policy", [Policy.LOG, Policy.RAISE], ids=["log", "raise"])
+def test_a_watchdog_alarm_is_signalled_with_the_next_launch_and_read_a_step_later(policy):
+    """Steps without HEAD: the canary's watchdog fires at the end of some step a; the flag is
+    signalled with step a + 1 and read at the end of a + 2 (raise: WatchdogTimeout there)."""
+    canary = Canary(CanaryConfig(sweep_interval=0, watchdog_window=2), PoolGeometry(64, 4, 16))
+    agreement = RankAgreement(canary, policy)
+    alarm_step, alarms, error = None, {}, None
+    try:
+        for step in range(8):
+            agreement.launch(step, None)
+            report = agreement.end_step(step)
+            alarms.update({s: t[0][1] & ALARM_BIT for s, t in zip(report.agreed_steps, report.tables, strict=True)})
+            if report.alarms and alarm_step is None:
+                alarm_step = step
+    except WatchdogTimeout as e:
+        error = (step, str(e))
+    agreement.drain()
+    assert alarm_step is not None
+    assert [s for s, bit in alarms.items() if bit] == ([] if policy is Policy.RAISE else [alarm_step + 1])
+    assert all(not bit for s, bit in alarms.items() if s != alarm_step + 1)
+    if policy is Policy.RAISE:
+        assert error == (alarm_step + 2, f"step {alarm_step + 1}: the canary watchdog fired on rank(s) [0]")
+    else:
+        assert error is None

@@ -143,13 +143,9 @@ class RankAgreement:
     def launch(self, step: int, batch: ForwardBatch | None) -> None:
         """After HEAD of ``step``, eagerly: ``prepare``, ``issue``, ``launched``. ``batch`` None
         (end of run) digests to 0. Never blocks."""
-        if not self.enabled:
-            return
-        t0 = time.perf_counter()
         self.prepare(step)
         self.issue(batch)
         self.launched(step, batch)
-        self.seconds += time.perf_counter() - t0
 
     def prepare(self, step: int) -> None:
         """Before the device half of ``step`` (outside any capture): set the step the signal
@@ -157,12 +153,14 @@ class RankAgreement:
         table's rewrite after the copy an eager launch left on the side stream."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         if self._side_copy:
             torch.cuda.current_stream().wait_stream(self._side)
             self._side_copy = False
         if step != self._device_step:
             self.buffers.step.fill_(step)
             self._device_step = step
+        self.seconds += time.perf_counter() - t0
 
     def issue(self, batch: ForwardBatch | None) -> None:
         """The device half, capturable: the signal row kernel(s) and the all-reduce of the static
@@ -170,18 +168,18 @@ class RankAgreement:
         graph issues it; call ``launched`` after each replay."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         table = self._tables[self._launches % len(self._tables)]
         tensors = {} if batch is None else dict(req_pool_indices=batch.req_pool_indices,
                                                  extend_lens=batch.extend_lens, out_cache_loc=batch.out_cache_loc)
-        if not self.is_cuda:
-            signal_row(states=self.states, buffers=self.buffers, table=table, rank=self.rank, **tensors)
-            self._work = dist.all_reduce(table, group=self.group, async_op=True)
-            return
-        current = torch.cuda.current_stream()
         signal_row(states=self.states, buffers=self.buffers, table=table, rank=self.rank, **tensors)
-        self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):  # the forward does not wait for the signal's all-reduce
-            dist.all_reduce(table, group=self.group)
+        if self.is_cuda:
+            self._side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side):  # the forward does not wait for the signal's all-reduce
+                dist.all_reduce(table, group=self.group)
+        else:
+            self._work = dist.all_reduce(table, group=self.group, async_op=True)
+        self.seconds += time.perf_counter() - t0
 
     def join(self) -> None:
         """Inside a CUDA-graph capture, after the forward: the side stream joins the capture."""
@@ -194,6 +192,7 @@ class RankAgreement:
         the side stream after an eager issue, behind the graph after a replay), the bookkeeping."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         k = self._launches % (self.lag + 1)
         work, self._work = self._work, None
         if self.is_cuda:
@@ -206,6 +205,7 @@ class RankAgreement:
         self._in_flight.append(_InFlight(step, k, work, request_ids))
         self._launches += 1
         self._device_step = step + 1
+        self.seconds += time.perf_counter() - t0
 
     def end_step(self, step: int) -> AgreedStepReport:
         """The canaries' ``end_step`` (their violations and alarms, merged), then the tables
