@@ -70,7 +70,7 @@ def random_state(rng: random.Random, num_slots: int, capacity: int) -> DeviceSta
     state.ring.copy_(torch.randint(-2**62, 2**62, state.ring.shape, generator=g))
     tags = torch.randint(-1, 14, (capacity,), generator=g)  # -1: an unwritten row; > 11: out of range
     state.ring[:, 0] = tags
-    state.ring_counter.fill_(rng.randrange(0, 2 * capacity + 2))
+    state.ring_counter.fill_(rng.choice([rng.randrange(0, 2 * capacity + 2), -rng.randrange(1, 9)]))  # < 0: hostile
     return state
 
 
@@ -94,7 +94,7 @@ def run_case(seed: int, backend: Backend):
     num_rings = rng.choice([1, 2])
     states = [random_state(rng, rng.choice([2, 9, 64]), rng.choice([1, 5, 300])) for _ in range(num_rings)]
     buffers = SignalBuffers.allocate(num_rings)
-    buffers.marks.copy_(t64([rng.randrange(0, 700) for _ in range(num_rings)]))
+    buffers.marks.copy_(t64([rng.choice([rng.randrange(0, 700), -rng.randrange(1, 9)]) for _ in range(num_rings)]))
     buffers.pending.copy_(t64([rng.randrange(0, 50), rng.randrange(0, 2**41)]))
     buffers.alarm.fill_(rng.choice([0, 1, 7]))
     buffers.step.fill_(rng.randrange(-2, 1000))
