@@ -177,7 +177,7 @@ def capture(step: Step, agreement: RankAgreement, batch: ForwardBatch):
     base, agreed = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(base):
         step.forward()
-    with torch.cuda.graph(agreed, pool=base.pool()):
+    with torch.cuda.graph(agreed):
         agreement.issue(batch)
         step.forward()
         agreement.join()
