@@ -17,7 +17,8 @@ blocks of ``--steps`` steps:
 
 - ``base``: the step + ``Canary.end_step``;
 - ``agreed``: ``RankAgreement`` around the same step: its device half (``signal_row`` + the
-  all-reduce of the table) issued after the HEAD point, ``launched`` and ``end_step``.
+  all-reduce of the table) issued after the HEAD point, ``launched`` and ``end_step``. The
+  all-reduce uses the model's process group, or its own with ``--own-group``.
 
 On CUDA both modes are captured in CUDA graphs (``--eager`` to run them eagerly): the base graph
 holds the forward, the agreed one the signal's device half too (joined at the end), so what the
@@ -59,6 +60,7 @@ class Args:
     steps: int
     blocks: int
     eager: bool
+    own_group: bool
 
 
 def decode_batch(bs: int, num_slots: int, device: torch.device, gen: torch.Generator) -> ForwardBatch:
@@ -104,7 +106,8 @@ def measure(args: Args, bs: int, policy: str, rank: int, world: int, device: tor
     canary = Canary(config, PoolGeometry(args.num_slots, bs + 1, 128, str(device)))
     words = canary.state.records.view(torch.int64)
     words.copy_(torch.randint(0, 2**62, words.shape, generator=gen).to(device))
-    agreement = RankAgreement(canary, POLICIES[policy])
+    group = dist.new_group(list(range(world))) if args.own_group else None  # own communicator: own NCCL stream
+    agreement = RankAgreement(canary, POLICIES[policy], group)
     batch = decode_batch(bs, args.num_slots, device, gen)
     step = Step(args, bs, world, device, torch.Generator().manual_seed(rank))
     graphs, graph_error = None, None
@@ -238,6 +241,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=50, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=10, help="timed blocks per mode (interleaved)")
     ap.add_argument("--eager", action="store_true", help="on CUDA: no graph capture")
+    ap.add_argument("--own-group", action="store_true", help="the agreement's all-reduce on its own process group "
+                    "(NCCL: its own communicator and stream, so the model's all-reduces do not queue behind it)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_agreement.json"))
     a = ap.parse_args(argv)
     policies = tuple(a.policies.split(","))
@@ -245,7 +250,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"--policies {bad} not in {sorted(POLICIES)}")
     args = Args(a.device, tuple(int(b) for b in a.batch_sizes.split(",")), policies, a.hidden, a.layers, a.num_slots,
-                a.steps, a.blocks, a.eager)
+                a.steps, a.blocks, a.eager, a.own_group)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, a.json)
         return
