@@ -3,6 +3,8 @@
     PYTHONPATH=src python3 benchmarks/bench_distributed.py [--device cuda|cpu] [--json PATH]
 
 Needs 2 CUDA devices (NCCL) with ``--device cuda``; ``--device cpu`` runs the same on gloo.
+The agreement's cost per batch size and policy, with the signal captured in CUDA graphs and
+under torchrun: ``bench_agreement.py``.
 
 Part 1, the agreement's cost. Each rank holds a canary of a 1M-slot pool and a decode batch of
 ``bs`` requests. A synthetic tensor-parallel forward (per layer: a column- and a row-parallel

@@ -1,27 +1,22 @@
-"""The agreement's pieces that need no second process: the chain digest, the ring summary, and
-the divergences decoded from an agreed table."""
+"""The agreement's pieces that need no second process: the chain digest and the divergences
+decoded from an agreed table (the signal row kernel itself: ``test_signal_row.py``)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvcanary.core.hashing import ANCHOR_S, link_torch
 from kvcanary.core.record import (
     CHAIN,
-    COL_REASONS,
-    COL_TAG,
     POSITION,
     TOKEN,
     LaunchPoint,
-    LaunchTag,
     Reason,
     new_canary,
-    new_ring,
     record_words,
 )
 from kvcanary.distributed import DIVERGENCE_RE, Cause, chain_digest, find_divergences
-from kvcanary.distributed.signal import ALARM_BIT, POINT_SHIFT, RingSummary, decode_code
+from kvcanary.distributed.signal import ALARM_BIT, POINT_SHIFT, decode_code
 
 GEN = torch.Generator().manual_seed(7)
 
@@ -71,36 +66,6 @@ def test_chain_digest_of_an_empty_batch_is_zero():
     assert int(chain_digest(new_canary(8), empty, empty, empty)) == 0
 
 
-def ring_with(rows: list[tuple[LaunchPoint, Reason]], capacity: int = 8) -> torch.Tensor:
-    ring, _ = new_ring(capacity)
-    for i, (point, reasons) in enumerate(rows):
-        ring[i] = torch.randint(1, 1000, (8,), generator=GEN)
-        ring[i, COL_TAG], ring[i, COL_REASONS] = LaunchTag(point).value, int(reasons)
-    return ring
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["host-bounds", "masked-as-on-cuda"])
-def test_ring_summary_counts_rows_in_range_and_ors_their_bits(masked):
-    ring = ring_with([(LaunchPoint.SWEEP, Reason.FINGERPRINT), (LaunchPoint.HEAD, Reason.CHAIN | Reason.POSITION),
-                      (LaunchPoint.TAIL, Reason.VERIFY_TOKEN)])
-    summary = RingSummary(ring, masked)
-    assert summary.masked is masked
-    t = lambda x: torch.tensor([x])
-    rows, code = summary(t(1), t(3))
-    assert int(rows) == 2
-    reasons, points, alarm = decode_code(int(code))
-    assert reasons == Reason.CHAIN | Reason.POSITION | Reason.VERIFY_TOKEN
-    assert points == (LaunchPoint.HEAD, LaunchPoint.TAIL) and not alarm
-    assert [int(x) for x in summary(t(0), t(1))] == [1, Reason.FINGERPRINT | 1 << (POINT_SHIFT + LaunchPoint.SWEEP)]
-    assert [int(x) for x in summary(t(3), t(3))] == [0, 0]
-    # rows past the ring's capacity (dropped) still count, without bits
-    full = RingSummary(ring[:3], masked)
-    rows, code = full(t(3), t(20))
-    assert int(rows) == 17 and int(code) == 0
-    rows, code = full(t(2), t(20))
-    assert int(rows) == 18 and decode_code(int(code))[:2] == (Reason.VERIFY_TOKEN, (LaunchPoint.TAIL,))
-
-
 def table(*rows: tuple[int, int, int]) -> list[list[int]]:
     """(violation rows, code, digest) per rank -> an agreed table of step 5."""
     return [[n, code, digest, 5] for n, code, digest in rows]
@@ -142,3 +107,11 @@ def test_a_digest_mismatch_names_the_ranks_off_the_common_digest():
 def test_watchdog_alarm_bit_decodes():
     reasons, points, alarm = decode_code(ALARM_BIT | HEAD_CHAIN)
     assert alarm and points == (LaunchPoint.HEAD,) and reasons == Reason.CHAIN | Reason.POSITION
+
+
+def test_every_reason_bit_decodes_apart_from_the_launch_points():
+    """Reason bits and launch-point bits never share a bit (READ_CONFLICT is bit 8)."""
+    for reason in Reason:
+        for point in LaunchPoint:
+            reasons, points, alarm = decode_code(int(reason) | 1 << (POINT_SHIFT + point))
+            assert (reasons, points, alarm) == (reason, (point,), False)

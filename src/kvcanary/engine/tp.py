@@ -71,12 +71,19 @@ def build_rank_engine(model_config: ModelConfig, engine_config: EngineConfig, ho
     return engine
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class RankCanaryHooks(CanaryHooks):
     """``CanaryHooks`` whose canaries (full pool, and sliding-window pool if any) run ``Policy.LOG``
     inside a ``RankAgreement`` that applies ``config.policy`` on every rank together: the signal is
-    launched right after HEAD and agreed in ``after_forward`` (before sampling), where a recompute
-    recovery is handed to the engine. ``agreed`` keeps every step report with a divergence,
-    ``recoveries`` every recovery applied. Call ``finish()`` on every rank after the last step."""
+    launched right after HEAD and agreed in ``after_forward`` (before sampling; under log and raise
+    the table of the step before), where a recompute recovery is handed to the engine. In a
+    graph-captured decode step the signal's device half (``RankAgreement.issue``) is captured with
+    HEAD and joined at TAIL; after a replay ``after_forward`` runs its host half. ``agreed`` keeps
+    every step report with a divergence, ``recoveries`` every recovery applied. Call ``finish()``
+    on every rank after the last step."""
 
     def __init__(self, config: CanaryConfig, group: dist.ProcessGroup | None = None):
         local = config if config.policy in (Policy.OFF, Policy.LOG) else replace(config, policy=Policy.LOG)
@@ -85,6 +92,7 @@ class RankCanaryHooks(CanaryHooks):
         self.agreement: RankAgreement | None = None
         self.agreed: list[AgreedStepReport] = []
         self.recoveries: list[tuple[int, Recovery]] = []  # (step, what every rank recomputed)
+        self._launched = False  # this step's signal was launched eagerly (not by a graph replay)
 
     def attach(self, engine: Engine) -> Canary:
         canary = super().attach(engine)
@@ -97,11 +105,27 @@ class RankCanaryHooks(CanaryHooks):
         """Slots of ``pool``'s violations as the engine's (full-pool) slots, for recompute."""
         return self.engine.pool.window.full_slots_of(slots) if pool is PoolKind.SWA else slots
 
+    def before_forward(self, batch: ForwardBatch) -> None:
+        super().before_forward(batch)
+        self.agreement.prepare(self.step)  # outside any graph: the step the signal carries
+        self._launched = False
+
     def forward_prologue(self, batch: ForwardBatch) -> None:
         super().forward_prologue(batch)  # HEAD
-        self.agreement.launch(self.step, batch)
+        if _capturing():
+            self.agreement.issue(batch)  # the device half only: replays issue it
+        else:
+            self.agreement.launch(self.step, batch)
+            self._launched = True
+
+    def forward_epilogue(self, batch: ForwardBatch) -> None:
+        super().forward_epilogue(batch)  # TAIL
+        if _capturing():
+            self.agreement.join()
 
     def after_forward(self, batch: ForwardBatch) -> None:
+        if not self._launched:  # a graph replay issued this step's signal
+            self.agreement.launched(self.step, batch, replayed=True)
         self._take(self.agreement.end_step(self.step))
 
     def finish(self) -> AgreedStepReport:
