@@ -132,8 +132,8 @@ class Canary:
         self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
-        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
-        self._error_pending: list[tuple[torch.Tensor, object]] = []  # (host copy, event) of the error flags, CUDA
+        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats, error=self.state.error,
+                                 block=self.state.counter_block())
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.incidents = IncidentTracker()
@@ -404,26 +404,14 @@ class Canary:
         return report
 
     def _read_device_flags(self, flush: bool = False) -> int:
-        """The error flags the kernels raised (on CUDA: as of the previous step, copied behind it
-        without a sync; everything when ``flush``), then cleared; a WORKSPACE flag also resets
-        the workspaces."""
+        """The error flags the kernels raised (on CUDA: as of the snapshots the reporter just read,
+        a step old, copied with the counters without a sync; everything when ``flush``), then
+        cleared; a WORKSPACE flag also resets the workspaces."""
         err = self.state.error
-        if err.is_cuda and flush:
-            self._error_pending.clear()
-            bits = int(err[0])  # syncs: the end of a run
-        elif err.is_cuda:
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(err, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._error_pending.append((host, event))
-            if len(self._error_pending) < 2:
-                return 0
-            host, event = self._error_pending.pop(0)
-            event.synchronize()  # a step old: already complete on the device
-            bits = int(host[0])
+        if err.is_cuda and not flush:
+            bits = self.reporter.flags_read
         else:
-            bits = int(err[0])
+            bits = int(err[0])  # on CUDA this syncs: the end of a run
         if bits:
             err.zero_()
             if bits & DeviceFlag.WORKSPACE:

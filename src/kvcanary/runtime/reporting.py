@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
@@ -146,13 +147,44 @@ class _Snapshot:
     stats: torch.Tensor
     event: object | None
     reset: bool
+    row: int = -1  # the pinned snapshot row it was copied into (CUDA), -1 on the CPU
+
+
+class _PinnedRows:
+    """Preallocated pinned rows ``ring_counter | stats | error`` with one reusable event each, so
+    a CUDA snapshot allocates nothing: a row is taken at the snapshot and given back once read
+    (more rows are made only when more snapshots are pending than ever before)."""
+
+    def __init__(self, stats_words: int, rows: int = 4):
+        self.width = 2 + stats_words
+        self.rows: list[torch.Tensor] = []
+        self.views: list = []  # numpy views of the rows: host reads without torch dispatch
+        self.events: list[torch.cuda.Event] = []
+        self.free: list[int] = []
+        for _ in range(rows):
+            self._grow()
+
+    def _grow(self) -> None:
+        row = torch.zeros(self.width, dtype=torch.int64, pin_memory=True)
+        self.free.append(len(self.rows))
+        self.rows.append(row)
+        self.views.append(row.numpy())
+        self.events.append(torch.cuda.Event())
+
+    def take(self) -> int:
+        if not self.free:
+            self._grow()
+        return self.free.pop()
 
 
 class Reporter:
-    """Snapshots the ring counter and stats each step and decodes new rows one step later."""
+    """Snapshots the ring counter, stats and error flags each step and decodes new rows one step
+    later. On CUDA the three are copied (one copy when ``block`` holds them back to back, as
+    ``DeviceState.counter_block()``) into preallocated pinned rows, read through numpy views."""
 
-    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor):
-        self.ring, self.counter, self.stats = ring, counter, stats
+    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *,
+                 error: torch.Tensor | None = None, block: torch.Tensor | None = None):
+        self.ring, self.counter, self.stats, self.error, self.block = ring, counter, stats, error, block
         self.is_cuda = ring.is_cuda
         self.lag = 1 if self.is_cuda else 0
         self._pending: deque[_Snapshot] = deque()
@@ -161,29 +193,50 @@ class Reporter:
         self._reset_next = False
         self.rows_read = 0
         self.latest_stats = torch.zeros_like(stats, device="cpu")
+        self._latest_np = self.latest_stats.numpy()
         self.latest_total = 0
+        self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
+        self._pinned = _PinnedRows(stats.numel()) if self.is_cuda else None
 
     def snapshot(self, meta: StepMeta) -> None:
         """Enqueue the copy of the counter and stats behind the step's checks (never blocks)."""
-        pin = self.is_cuda
-        counter = torch.empty(1, dtype=torch.int64, pin_memory=pin)
-        stats = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=pin)
-        counter.copy_(self.counter, non_blocking=pin)
-        stats.copy_(self.stats, non_blocking=pin)
-        event = None
         if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
+            self._snapshot_cuda(meta)
+            return
+        counter = torch.empty(1, dtype=torch.int64)
+        stats = torch.empty(self.stats.shape, dtype=torch.int64)
+        counter.copy_(self.counter)
+        stats.copy_(self.stats)
         reset = self._reset_next
         if reset:
             self.counter.zero_()
             self._reset_next = False
-        self._pending.append(_Snapshot(meta, counter, stats, event, reset))
+        self._pending.append(_Snapshot(meta, counter, stats, None, reset))
+
+    def _snapshot_cuda(self, meta: StepMeta) -> None:
+        p = self._pinned
+        i = p.take()
+        row = p.rows[i]
+        if self.block is not None:
+            row.copy_(self.block, non_blocking=True)
+        else:
+            row[:1].copy_(self.counter, non_blocking=True)
+            row[1:-1].copy_(self.stats.view(-1), non_blocking=True)
+            if self.error is not None:
+                row[-1:].view(torch.int32)[:1].copy_(self.error, non_blocking=True)
+        event = p.events[i]
+        event.record()
+        reset = self._reset_next
+        if reset:
+            self.counter.zero_()
+            self._reset_next = False
+        self._pending.append(_Snapshot(meta, row[:1], row[1:-1], event, reset, i))
 
     def collect(self, flush: bool = False) -> list[Violation]:
         """Decode the rows of every snapshot at least ``lag`` steps old (all when ``flush``)."""
         out = []
+        self.flags_read = 0
         while self._pending and (flush or len(self._pending) > self.lag):
             snap = self._pending.popleft()
             if snap.event is not None:
@@ -192,8 +245,14 @@ class Reporter:
         return out
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
-        total = int(snap.counter[0])
-        self.latest_stats = snap.stats.clone()
+        if snap.row >= 0:
+            view = self._pinned.views[snap.row]
+            total = int(view[0])
+            self._latest_np.reshape(-1)[:] = view[1:-1]
+            self.flags_read |= int(view[-1:].view(np.int32)[0])
+        else:
+            total = int(snap.counter[0])
+            self._latest_np[...] = snap.stats.numpy()
         self.latest_total = self._total_before + total
         cap = self.ring.shape[0]
         hi = min(total, cap)
@@ -212,6 +271,8 @@ class Reporter:
             self._read_upto = 0
         elif total >= cap:
             self._reset_next = True
+        if snap.row >= 0:
+            self._pinned.free.append(snap.row)  # read: the next snapshot may reuse its row and event
         return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
                           r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r)) for r in rows]
 

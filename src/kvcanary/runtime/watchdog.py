@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint
 
 
@@ -35,8 +37,8 @@ class Watchdog:
     def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
         """Feed a stats snapshot (int64[tags, 3]) covering ``steps`` more steps; returns new alarms."""
         alarms = []
-        for p in LaunchPoint:
-            launches = int(stats[4 * p: 4 * p + 4, STAT_LAUNCHES].sum())
+        per_point = np.asarray(stats)[:, STAT_LAUNCHES].reshape(len(LaunchPoint), -1).sum(axis=1).tolist()
+        for p, launches in zip(LaunchPoint, per_point, strict=True):
             if launches != self._last[p]:
                 self._last[p], self._since[p], self._seen[p], self._fired[p] = launches, 0, True, False
                 continue
