@@ -42,11 +42,11 @@ from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
-from kvcanary.ops.scatter import scatter_req_token_ids
+from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
 from kvcanary.ops.stamp import stamp
 from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import verify
-from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
@@ -177,16 +177,34 @@ class Canary:
         if b.batch_size > self.config.max_bs:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
+        on_device = self._use_truth(b) and self.truth.is_cuda
+        if on_device:
+            self._check_truth_batch(b)
         self._meta.batch = b
         if self.incidents.open:  # a rewrite closes an open incident; nothing to track otherwise
             self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
-        if self._use_truth(b):
+        if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
+            scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
+                              self.truth_lens, HAS_TRITON)
+        elif self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                                   pool_out=self.truth, error_flag=self.state.error)
             bs = b.batch_size
             torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
         self.totals.seconds += time.perf_counter() - t0
+
+    def _check_truth_batch(self, b: ForwardBatch) -> None:
+        """What the truth scatter on CUDA needs beyond what ``ForwardBatch`` checked when it was
+        built (dtypes, ranks, lengths, one device; device tensors get no value checks: the kernel
+        masks and flags bad offsets and rows): the canary's device and contiguous tensors."""
+        if b.req_to_token.device != self.truth.device:
+            raise BatchError(f"ForwardBatch is on {b.req_to_token.device} but the canary is on {self.truth.device}")
+        for name in ("truth_ids", "truth_offsets", "req_pool_indices"):
+            t = getattr(b, name)
+            if not t.is_contiguous():
+                raise BatchError(f"ForwardBatch.{name} must be contiguous (got strides {t.stride()}); "
+                                 f"pass {name}.contiguous()")
 
     def launch_head(self, b: ForwardBatch) -> None:
         """The device half of HEAD: fixed-size launches only, no host sync, no allocation on the
@@ -395,7 +413,7 @@ class Canary:
         self._meta = StepMeta(step + 1)
         report.violations = self.reporter.collect()
         self.totals.steps += 1
-        report.alarms = self.watchdog.observe(self.reporter.latest_stats)
+        report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0

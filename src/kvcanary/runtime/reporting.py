@@ -155,11 +155,12 @@ class _PinnedRows:
     a CUDA snapshot allocates nothing: a row is taken at the snapshot and given back once read
     (more rows are made only when more snapshots are pending than ever before)."""
 
-    def __init__(self, stats_words: int, rows: int = 4):
+    def __init__(self, stats_words: int, device: torch.device, rows: int = 4):
+        self.device = device
         self.width = 2 + stats_words
         self.rows: list[torch.Tensor] = []
         self.views: list = []  # numpy views of the rows: host reads without torch dispatch
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[torch.Event] = []  # recorded on the current stream in C++: no Python stream lookup
         self.free: list[int] = []
         for _ in range(rows):
             self._grow()
@@ -169,7 +170,7 @@ class _PinnedRows:
         self.free.append(len(self.rows))
         self.rows.append(row)
         self.views.append(row.numpy())
-        self.events.append(torch.cuda.Event())
+        self.events.append(torch.Event(device=self.device))
 
     def take(self) -> int:
         if not self.free:
@@ -193,11 +194,11 @@ class Reporter:
         self._reset_next = False
         self.rows_read = 0
         self.latest_stats = torch.zeros_like(stats, device="cpu")
-        self._latest_np = self.latest_stats.numpy()
+        self.latest_stats_view = self.latest_stats.numpy()  # the same memory, for reads without torch dispatch
         self.latest_total = 0
         self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
-        self._pinned = _PinnedRows(stats.numel()) if self.is_cuda else None
+        self._pinned = _PinnedRows(stats.numel(), ring.device) if self.is_cuda else None
 
     def snapshot(self, meta: StepMeta) -> None:
         """Enqueue the copy of the counter and stats behind the step's checks (never blocks)."""
@@ -248,11 +249,11 @@ class Reporter:
         if snap.row >= 0:
             view = self._pinned.views[snap.row]
             total = int(view[0])
-            self._latest_np.reshape(-1)[:] = view[1:-1]
+            self.latest_stats_view.reshape(-1)[:] = view[1:-1]
             self.flags_read |= int(view[-1:].view(np.int32)[0])
         else:
             total = int(snap.counter[0])
-            self._latest_np[...] = snap.stats.numpy()
+            self.latest_stats_view[...] = snap.stats.numpy()
         self.latest_total = self._total_before + total
         cap = self.ring.shape[0]
         hi = min(total, cap)

@@ -35,7 +35,8 @@ class Watchdog:
         self._fired = {p: False for p in LaunchPoint}
 
     def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
-        """Feed a stats snapshot (int64[tags, 3]) covering ``steps`` more steps; returns new alarms."""
+        """Feed a stats snapshot (int64[tags, 3], a tensor or a numpy array) covering ``steps`` more
+        steps; returns new alarms."""
         alarms = []
         per_point = np.asarray(stats)[:, STAT_LAUNCHES].reshape(len(LaunchPoint), -1).sum(axis=1).tolist()
         for p, launches in zip(LaunchPoint, per_point, strict=True):
