@@ -7,8 +7,9 @@ Per case (decode batch size, context, real-KV mode, token truth on or off) a Can
 with K and V of two layers as sources stamps every request's prefix, HEAD (``launch_head``), a
 device step of about ``--step-us`` µs and TAIL (``tail``) are captured in one CUDA graph, and
 each timed step runs ``prepare_head``, replays the graph and runs ``end_step`` while the replay
-is in flight. The device is synchronised before each step, so ``end_step`` never waits for the
-previous step (the host work itself, not the device time). Figures: median [min-max] over the
+is in flight, or (every other step) after the replay completed. The device is synchronised
+before each step, so ``end_step`` never waits for the previous step (the host work itself, not
+the device time). Figures: median [min-max] over the
 timed steps after a warm-up; ``--profile`` writes a cProfile of the steps of every case. Every
 step must report zero violations; a tripwire (one prefix chain word flipped for one step) must
 be reported one step later. Uses only the public API.
@@ -96,25 +97,33 @@ def spread(xs: list[float]) -> dict:
 
 
 def time_steps(canary: Canary, graph, step: ForwardBatch, steps: int, first: int, profile=None) -> dict:
-    prep, end, total, viol = [], [], [], 0
-    for i in range(steps):
+    """Alternate steps: ``end_step`` with the replay in flight, then with the device idle (the
+    replay synchronised first); the device is synchronised before each step."""
+    out = {k: {"prepare_head": [], "end_step": [], "host": []} for k in ("in_flight", "idle")}
+    viol = 0
+    for i in range(2 * steps):
+        kind = "in_flight" if i % 2 == 0 else "idle"
         torch.cuda.synchronize()
-        if profile is not None:
+        if profile is not None and kind == "in_flight":
             profile.enable()
         t0 = time.perf_counter()
         canary.prepare_head(step)
         t1 = time.perf_counter()
         graph.replay()
+        if kind == "idle":
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         report = canary.end_step(first + i)
         t3 = time.perf_counter()
         if profile is not None:
             profile.disable()
         viol += len(report.violations)
-        prep.append((t1 - t0) * 1e6)
-        end.append((t3 - t2) * 1e6)
-        total.append((t1 - t0 + t3 - t2) * 1e6)
-    return {"prepare_head": spread(prep), "end_step": spread(end), "host": spread(total), "violations": viol}
+        for name, us in (("prepare_head", t1 - t0), ("end_step", t3 - t2), ("host", t1 - t0 + t3 - t2)):
+            out[kind][name].append(us * 1e6)
+    res = {kind: {name: spread(v) for name, v in d.items()} for kind, d in out.items()}
+    pub = getattr(canary.reporter, "publication", None)
+    return res | {"violations": viol, "publishing": pub is not None,
+                  "publication_fallbacks": pub.fallbacks if pub is not None else None}
 
 
 def tripwire(canary: Canary, graph, step: ForwardBatch, table: torch.Tensor, at: int) -> bool:
@@ -122,9 +131,12 @@ def tripwire(canary: Canary, graph, step: ForwardBatch, table: torch.Tensor, at:
     slot = int(table[1, step.positions[0].item() // 2])
     saved = words[slot, CHAIN].clone()
     words[slot, CHAIN] ^= 1
+    canary.prepare_head(step)
     graph.replay()
+    torch.cuda.synchronize()
     words[slot, CHAIN] = saved
     seen = len(canary.end_step(at).violations)
+    canary.prepare_head(step)
     graph.replay()
     seen += len(canary.end_step(at + 1).violations)
     torch.cuda.synchronize()
@@ -147,8 +159,8 @@ def main() -> None:
         canary, step, table = build_case(bs, context, mode, truth, gen)
         graph = capture(canary, step, args.step_us)
         time_steps(canary, graph, step, args.warmup, 1)
-        r = time_steps(canary, graph, step, args.steps, 1 + args.warmup, prof)
-        r["tripwire"] = tripwire(canary, graph, step, table, 2 + args.warmup + args.steps)
+        r = time_steps(canary, graph, step, args.steps, 1 + 2 * args.warmup, prof)
+        r["tripwire"] = tripwire(canary, graph, step, table, 2 + 2 * (args.warmup + args.steps))
         r.update(bs=bs, context=context, mode=mode.name.lower(), truth=truth)
         rows.append(r)
         del graph, canary
@@ -160,12 +172,16 @@ def main() -> None:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
         with open(args.profile, "w") as f:
             f.write(out.getvalue())
-    print(f"{'case':<34}{'prepare_head µs':>24}{'end_step µs':>24}{'host µs':>24}  violations tripwire")
+    s = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
+    print(f"{'case':<34}{'device':>10}{'prepare_head µs':>24}{'end_step µs':>24}{'host µs':>24}  viol. "
+          "tripwire publishing")
     for r in rows:
-        s = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
         case = f"decode bs {r['bs']} @ {r['context']} {r['mode']}{' truth' if r['truth'] else ''}"
-        print(f"{case:<34}{s(r['prepare_head']):>24}{s(r['end_step']):>24}{s(r['host']):>24}  "
-              f"{r['violations']:>10} {'caught' if r['tripwire'] else 'MISSED'}")
+        for kind in ("in_flight", "idle"):
+            k = r[kind]
+            print(f"{case:<34}{kind:>10}{s(k['prepare_head']):>24}{s(k['end_step']):>24}{s(k['host']):>24}  "
+                  f"{r['violations']:>5} {'caught' if r['tripwire'] else 'MISSED':>8} {r['publishing']} "
+                  f"(fallbacks {r['publication_fallbacks']})")
 
 
 if __name__ == "__main__":

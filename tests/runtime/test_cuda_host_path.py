@@ -114,3 +114,71 @@ def test_truth_scatter_on_cuda_refuses_a_strided_history_before_writing():
     with pytest.raises(BatchError, match=r"ForwardBatch.truth_ids must be contiguous"):
         canary.prepare_head(bad)
     assert torch.equal(canary.truth, before)
+
+
+def _captured(canary: Canary, batch: ForwardBatch, step: int) -> torch.cuda.CUDAGraph:
+    """HEAD and TAIL of ``batch`` in one graph (run eagerly once first, as step ``step``, as an
+    engine does)."""
+    canary.prepare_head(batch)
+    canary.launch_head(batch)
+    canary.tail(batch)
+    canary.end_step(step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        canary.launch_head(batch)
+        canary.tail(batch)
+    return graph
+
+
+def _replay(canary: Canary, graph, batch: ForwardBatch, steps: range) -> list:
+    reports = []
+    for step in steps:
+        canary.prepare_head(batch)
+        graph.replay()
+        reports.append(canary.end_step(step))
+    return reports
+
+
+def test_replays_publish_their_counters_and_a_violation_arrives_one_step_late_without_a_copy():
+    gen = torch.Generator().manual_seed(10)
+    tokens = _tokens(gen)
+    canary = _canary("cuda")
+    assert canary.publishing
+    for step in range(3):  # stamp positions 0..2 of rows 1..3
+        with canary.forward(_batch("cuda", gen, tokens, step, 1)):
+            pass
+        canary.end_step(step)
+    batch = _batch("cuda", gen, tokens, 3, 1)
+    graph = _captured(canary, batch, 3)
+    assert all(r.violations == [] for r in _replay(canary, graph, batch, range(4, 8)))
+    copies = len(canary.reporter._copies.free)  # every copy row back: the eager step's was read
+    slot = 2 * CTX + 1 + 1  # row 2, position 1
+    record_words(canary.state.records)[slot, CHAIN] ^= 1
+    now, late = _replay(canary, graph, batch, range(8, 10))
+    assert now.violations == [] and late.violations and {v.step for v in late.violations} == {8}
+    assert slot in {v.slot for v in late.violations if v.point.name == "HEAD"}
+    assert canary.reporter.publication.fallbacks == 0
+    assert len(canary.reporter._copies.free) == copies  # no copy was taken for a replayed step
+    canary.flush(10)
+    torch.cuda.synchronize()
+    assert torch.equal(canary.reporter.latest_stats, canary.state.stats.cpu())
+
+
+def test_replays_without_end_step_fall_back_once_and_miss_nothing():
+    gen = torch.Generator().manual_seed(11)
+    tokens = _tokens(gen)
+    canary = _canary("cuda")
+    for step in range(3):
+        with canary.forward(_batch("cuda", gen, tokens, step, 1)):
+            pass
+        canary.end_step(step)
+    batch = _batch("cuda", gen, tokens, 3, 1)
+    graph = _captured(canary, batch, 3)
+    for _ in range(20):  # the device runs ahead of what the host counted
+        graph.replay()
+    slot = 3 * CTX + 2 + 1  # row 3, position 2
+    record_words(canary.state.records)[slot, CHAIN] ^= 1
+    reports = _replay(canary, graph, batch, range(4, 7))
+    assert canary.reporter.publication.fallbacks >= 1
+    assert slot in {v.slot for r in reports for v in r.violations}

@@ -142,6 +142,9 @@ class Canary:
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
+        self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
+        # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
+        self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
         self.warmup_seconds = self.warmup() if warmup and dev.type == "cuda" else 0.0
 
     def warmup(self) -> float:
@@ -184,6 +187,7 @@ class Canary:
         if self.incidents.open:  # a rewrite closes an open incident; nothing to track otherwise
             self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
+        self._replays += 1  # until its TAIL runs eagerly
         if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
             scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
                               self.truth_lens, HAS_TRITON)
@@ -256,6 +260,10 @@ class Canary:
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
                           truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
                           lut=self._lut(b), window=self.window, backend=Backend.TRITON)
+            if self.publishing and torch.cuda.is_current_stream_capturing():
+                self.reporter.publish()  # each replay hands end_step its counters
+            elif self._replays:
+                self._replays -= 1
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
@@ -409,7 +417,8 @@ class Canary:
         t0 = time.perf_counter()
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
-        self.reporter.snapshot(self._meta)
+        self.reporter.snapshot(self._meta, replays=self._replays)
+        self._replays = 0
         self._meta = StepMeta(step + 1)
         report.violations = self.reporter.collect()
         self.totals.steps += 1

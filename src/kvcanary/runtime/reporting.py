@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
+from kvcanary.runtime.snapshots import CopyRows, Publication
 
 VIOLATION_RE = re.compile(
     r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "
@@ -143,45 +144,19 @@ def _owners_by_row(b, table_row: int, position: int) -> tuple[tuple[object, int]
 @dataclass
 class _Snapshot:
     meta: StepMeta
-    counter: torch.Tensor
-    stats: torch.Tensor
+    counter: torch.Tensor | None  # CPU snapshots: the copies; CUDA snapshots read their row instead
+    stats: torch.Tensor | None
     event: object | None
     reset: bool
-    row: int = -1  # the pinned snapshot row it was copied into (CUDA), -1 on the CPU
-
-
-class _PinnedRows:
-    """Preallocated pinned rows ``ring_counter | stats | error`` with one reusable event each, so
-    a CUDA snapshot allocates nothing: a row is taken at the snapshot and given back once read
-    (more rows are made only when more snapshots are pending than ever before)."""
-
-    def __init__(self, stats_words: int, device: torch.device, rows: int = 4):
-        self.device = device
-        self.width = 2 + stats_words
-        self.rows: list[torch.Tensor] = []
-        self.views: list = []  # numpy views of the rows: host reads without torch dispatch
-        self.events: list[torch.Event] = []  # recorded on the current stream in C++: no Python stream lookup
-        self.free: list[int] = []
-        for _ in range(rows):
-            self._grow()
-
-    def _grow(self) -> None:
-        row = torch.zeros(self.width, dtype=torch.int64, pin_memory=True)
-        self.free.append(len(self.rows))
-        self.rows.append(row)
-        self.views.append(row.numpy())
-        self.events.append(torch.Event(device=self.device))
-
-    def take(self) -> int:
-        if not self.free:
-            self._grow()
-        return self.free.pop()
+    row: int = -1  # CUDA copy: the pinned row it was copied into
+    seq: int = -1  # CUDA replay: the publication that carries its counters
 
 
 class Reporter:
     """Snapshots the ring counter, stats and error flags each step and decodes new rows one step
-    later. On CUDA the three are copied (one copy when ``block`` holds them back to back, as
-    ``DeviceState.counter_block()``) into preallocated pinned rows, read through numpy views."""
+    later. On CUDA the three are read from preallocated pinned rows (``runtime.snapshots``): a
+    replayed graph publishes them itself; otherwise ``snapshot`` copies them (one copy when
+    ``block`` holds them back to back, as ``DeviceState.counter_block()``)."""
 
     def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *,
                  error: torch.Tensor | None = None, block: torch.Tensor | None = None):
@@ -198,27 +173,44 @@ class Reporter:
         self.latest_total = 0
         self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
-        self._pinned = _PinnedRows(stats.numel(), ring.device) if self.is_cuda else None
+        self._copies = CopyRows(2 + stats.numel(), ring.device) if self.is_cuda else None
+        self.publication: Publication | None = None  # set by ``start_publishing``
 
-    def snapshot(self, meta: StepMeta) -> None:
-        """Enqueue the copy of the counter and stats behind the step's checks (never blocks)."""
-        if self.is_cuda:
-            self._snapshot_cuda(meta)
-            return
-        counter = torch.empty(1, dtype=torch.int64)
-        stats = torch.empty(self.stats.shape, dtype=torch.int64)
-        counter.copy_(self.counter)
-        stats.copy_(self.stats)
+    def start_publishing(self) -> bool:
+        """On CUDA with a counter block: let captured graphs publish their counters (``publish``);
+        False (copies only) where the device cannot."""
+        if not self.is_cuda or self.block is None:
+            return False
+        pub = Publication(self.block)
+        self.publication = pub if pub.probe() else None
+        return self.publication is not None
+
+    def publish(self) -> None:
+        """The launch a captured graph holds after TAIL (see ``runtime.snapshots``)."""
+        self.publication.launch()
+
+    def snapshot(self, meta: StepMeta, replays: int = 0) -> None:
+        """Enqueue this step's counters (never blocks): ``replays`` graph replays since the last
+        snapshot published them (CUDA, ``start_publishing``); else they are copied now, behind the
+        step's checks."""
         reset = self._reset_next
+        if replays and self.publication is not None:
+            self.publication.expected += replays
+            snap = _Snapshot(meta, None, None, None, reset, seq=self.publication.expected)
+        elif self.is_cuda:
+            snap = self._copy_cuda(meta, reset)
+        else:
+            counter, stats = self.counter.clone(), self.stats.clone()
+            snap = _Snapshot(meta, counter, stats, None, reset)
         if reset:
             self.counter.zero_()
             self._reset_next = False
-        self._pending.append(_Snapshot(meta, counter, stats, None, reset))
+        self._pending.append(snap)
 
-    def _snapshot_cuda(self, meta: StepMeta) -> None:
-        p = self._pinned
-        i = p.take()
-        row = p.rows[i]
+    def _copy_cuda(self, meta: StepMeta, reset: bool) -> _Snapshot:
+        c = self._copies
+        i = c.take()
+        row = c.rows[i]
         if self.block is not None:
             row.copy_(self.block, non_blocking=True)
         else:
@@ -226,42 +218,42 @@ class Reporter:
             row[1:-1].copy_(self.stats.view(-1), non_blocking=True)
             if self.error is not None:
                 row[-1:].view(torch.int32)[:1].copy_(self.error, non_blocking=True)
-        event = p.events[i]
+        event = c.events[i]
         event.record()
-        reset = self._reset_next
-        if reset:
-            self.counter.zero_()
-            self._reset_next = False
-        self._pending.append(_Snapshot(meta, row[:1], row[1:-1], event, reset, i))
+        return _Snapshot(meta, None, None, event, reset, row=i)
 
     def collect(self, flush: bool = False) -> list[Violation]:
         """Decode the rows of every snapshot at least ``lag`` steps old (all when ``flush``)."""
         out = []
         self.flags_read = 0
         while self._pending and (flush or len(self._pending) > self.lag):
-            snap = self._pending.popleft()
-            if snap.event is not None:
-                snap.event.synchronize()  # a step old: already complete on the device
-            out += self._read(snap)
+            out += self._read(self._pending.popleft())
         return out
 
-    def _read(self, snap: _Snapshot) -> list[Violation]:
+    def _words(self, snap: _Snapshot) -> np.ndarray:
+        """The snapshot's ``ring_counter | stats | error`` words (waits for a step-old one)."""
+        if snap.seq >= 0:
+            return self.publication.read(snap.seq)
         if snap.row >= 0:
-            view = self._pinned.views[snap.row]
-            total = int(view[0])
-            self.latest_stats_view.reshape(-1)[:] = view[1:-1]
-            self.flags_read |= int(view[-1:].view(np.int32)[0])
-        else:
-            total = int(snap.counter[0])
-            self.latest_stats_view[...] = snap.stats.numpy()
+            snap.event.synchronize()  # a step old: already complete on the device
+            words = self._copies.views[snap.row].copy()
+            self._copies.free.append(snap.row)  # read: the next snapshot may reuse its row and event
+            return words
+        return np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]])
+
+    def _read(self, snap: _Snapshot) -> list[Violation]:
+        words = self._words(snap)
+        total = int(words[0])
+        self.latest_stats_view.reshape(-1)[:] = words[1:-1]
+        if self.is_cuda:
+            self.flags_read |= int(words[-1:].view(np.int32)[0])
         self.latest_total = self._total_before + total
         cap = self.ring.shape[0]
         hi = min(total, cap)
         rows = []
         if hi > self._read_upto:
-            if self._side is not None:
+            if self._side is not None:  # the host saw the snapshot complete: the rows are written
                 with torch.cuda.stream(self._side):
-                    self._side.wait_event(snap.event)
                     rows = decode_rows(self.ring[self._read_upto:hi])
             else:
                 rows = decode_rows(self.ring[self._read_upto:hi])
@@ -272,8 +264,6 @@ class Reporter:
             self._read_upto = 0
         elif total >= cap:
             self._reset_next = True
-        if snap.row >= 0:
-            self._pinned.free.append(snap.row)  # read: the next snapshot may reuse its row and event
         return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
                           r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r)) for r in rows]
 
