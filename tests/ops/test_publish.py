@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcanary.ops._common import HAS_TRITON, Backend
-from kvcanary.ops._publish import publish_counters
+from kvcanary.ops.publish import publish_counters
 
 from ._compare import assert_same
 from ._helpers import BACKEND_IDS, BACKENDS, INT64_MAX, INT64_MIN, SEEDS, device_for

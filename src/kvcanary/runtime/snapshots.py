@@ -5,7 +5,7 @@
 | ``CopyRows``    | ``end_step``: one copy of the counter block into a | its event completed (a step late) |
 |                 | pinned row, one event record                       |                                   |
 | ``Publication`` | a kernel captured after TAIL in the step's graph   | its row shows the expected        |
-|                 | (``ops._publish``): the block and a sequence word  | sequence number (a step late)     |
+|                 | (``ops.publish``): the block and a sequence word  | sequence number (a step late)     |
 
 A row holds the counter block: ``ring_counter | stats | error`` (``DeviceState.counter_block()``).
 An eagerly run forward is snapshotted by copy; a replayed graph publishes its own counters, so
@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from kvcanary.ops._publish import publish_counters
+from kvcanary.ops.publish import publish_counters
 
 SPIN_CHECK_S = 1e-3  # while waiting for a published row, look this often whether the stream went idle
 
@@ -71,6 +71,7 @@ class Publication:
     def probe(self) -> bool:
         """Publish once eagerly (compiles the kernel) and check that the row arrived whole; counts
         on from there. False when this device cannot publish into pinned memory."""
+        self.rows.fill_(-1)  # so the probe sees every word written
         try:
             self.launch()
             torch.cuda.synchronize(self.block.device)
