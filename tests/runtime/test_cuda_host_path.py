@@ -47,12 +47,12 @@ def test_snapshots_reuse_their_pinned_rows_and_match_a_synchronous_read():
     gen = torch.Generator().manual_seed(3)
     tokens = _tokens(gen)
     canary = _canary("cuda")
-    rows_before = len(canary.reporter._pinned.rows)
+    rows_before = len(canary.reporter._copies.rows)
     for step in range(12):
         with canary.forward(_batch("cuda", gen, tokens, step, 1)):
             pass
         assert canary.end_step(step).violations == []
-    assert len(canary.reporter._pinned.rows) == rows_before  # nothing allocated per step
+    assert len(canary.reporter._copies.rows) == rows_before  # nothing allocated per step
     canary.flush(12)
     torch.cuda.synchronize()
     assert torch.equal(canary.reporter.latest_stats, canary.state.stats.cpu())
