@@ -14,7 +14,6 @@ import numpy as np
 
 from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint
 
-
 _POINTS = tuple(LaunchPoint)
 
 
