@@ -26,7 +26,6 @@ import torch
 from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
-    cdiv,
     check_contiguous,
     check_same_device,
     check_table,
@@ -152,9 +151,9 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, n, b
 def _scatter_grid(n: int, bs: int) -> tuple[int, int, int]:
     """(programs per request, BLOCK) from shapes alone: BLOCK ~ the mean segment (128..1024),
     enough programs per request to cover a mean segment in one pass (at most 64)."""
-    mean = cdiv(n, max(bs, 1))
-    block = min(max(triton.next_power_of_2(max(mean, 1)), 128), 1024)
-    return max(bs, 1), min(max(cdiv(mean, block), 1), 64), block
+    mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
+    block = 128 if mean <= 128 else 1024 if mean > 512 else 1 << (mean - 1).bit_length()
+    return max(bs, 1), min(max(-(-mean // block), 1), 64), block
 
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
