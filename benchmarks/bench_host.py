@@ -146,7 +146,7 @@ def tripwire(canary: Canary, graph, step: ForwardBatch, table: torch.Tensor, at:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--step-us", type=float, default=1000.0)
     ap.add_argument("--json")
     ap.add_argument("--profile")
