@@ -52,6 +52,30 @@ def test_matches_reference(seed, bs, width):
     check_all_backends(make_inputs(gen, bs, width, max_len=width + 3))
 
 
+@given(seed=SEEDS, bs=st.integers(0, 12), width=st.integers(1, 10))
+def test_lens_out_holds_each_segment_length_and_nothing_past_bs(seed, bs, width):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(gen, bs, width, max_len=width + 3)
+    off = inputs["offsets"].tolist()
+    tail = torch.randint(-1000, 1000, (GUARD,), generator=gen)
+    inputs["lens_out"] = torch.cat([torch.randint(-1000, 1000, (bs,), generator=gen), tail])
+    want_pool = expected_pool(inputs)
+    for backend in BACKENDS:
+        args, flag = run_op(scatter_req_token_ids, backend, **inputs)
+        assert_same(f"pool_out [{backend.value}]", args["pool_out"], want_pool)
+        assert_same(f"lens_out [{backend.value}]", args["lens_out"],
+                    [off[r + 1] - off[r] for r in range(bs)] + tail.tolist())
+        assert flag.tolist() == [0], backend
+
+
+def test_lens_out_too_short_is_refused_before_any_write():
+    inputs = valid_inputs()
+    before = inputs["pool_out"].clone()
+    with pytest.raises(InputError, match=r"lens_out length 1 < bs \(3\)"):
+        scatter_req_token_ids(**inputs, lens_out=torch.zeros(1, dtype=torch.int64))
+    assert torch.equal(inputs["pool_out"], before)
+
+
 def test_empty_batch():
     pool = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     inputs = dict(flat_in=torch.zeros(0, dtype=torch.int64), offsets=torch.zeros(1, dtype=torch.int64),

@@ -38,6 +38,21 @@ def test_allocate_gives_zeroed_buffers_of_the_documented_shapes():
 big = torch.zeros(64, dtype=torch.int64)
 
 
+def test_counter_block_is_the_three_counters_back_to_back_and_none_for_buffers_built_apart():
+    s = DeviceState.allocate(10, ring_capacity=6)
+    block = s.counter_block()
+    assert block is not None and block.shape == (2 + NUM_LAUNCH_TAGS * NUM_STATS,)
+    gen = torch.Generator().manual_seed(9)
+    stats = torch.randint(1, 2**40, (NUM_LAUNCH_TAGS, NUM_STATS), generator=gen)
+    s.ring_counter.fill_(123456789)
+    s.stats.copy_(stats)
+    s.error.fill_(0x15)
+    assert block[0] == 123456789 and block[1:-1].tolist() == stats.flatten().tolist() and block[-1] == 0x15
+    block.zero_()  # the same memory
+    assert int(s.ring_counter[0]) == 0 and int(s.stats.abs().sum()) == 0 and int(s.error[0]) == 0
+    assert DeviceState(**parts()).counter_block() is None
+
+
 @pytest.mark.parametrize(("change", "exc", "fragment"), [
     (dict(records=torch.zeros(8, 32, dtype=torch.int8)), InputTypeError, "state.records dtype int8 != uint8"),
     (dict(records=torch.zeros(8, 16, dtype=torch.uint8)), InputError, "state.records must be uint8[num_slots, 32]"),

@@ -203,7 +203,8 @@ def print_table(data: dict) -> None:
         w, f, p = r["host_partial"]["work"], r["host_partial"]["in_flight"], r["parts"]
         print(f"parts     {r['shape']:<22} products {_sp(p['products'])} µs, attention {_sp(p['attention'])} µs; "
               f"phase floor {r['phase_floor_us']:.1f} µs (step {r['step_over_phase_floor']:.2f}× it); host "
-              f"prepare_head + end_step {_sp(w)} µs idle, {_sp(f)} µs with the step in flight; attention tiles "
+              f"prepare_head + end_step {_sp(w)} µs with the device idle, {_sp(f)} µs with the step in flight; "
+              f"attention tiles "
               f"{r['attention_tiles']}")
     rates = data["rates"]
     print(f"rates: copy {fmt(rates.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(rates.get('bf16_TFLOPs'), '.0f')} "

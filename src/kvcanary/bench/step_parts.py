@@ -177,26 +177,27 @@ def tripwire(canary: Canary, graph, sb: StepBatch, mode: FingerprintMode) -> str
 
 def host_us(canary: Canary, graph, batch: ForwardBatch, steps: int = 30) -> dict:
     """Wall µs per step of the canary's host calls outside the graph (``prepare_head`` +
-    ``end_step``), two ways: ``work``, with the device idle (synchronised before each step:
-    the host work itself), and ``in_flight``, with the step's replay just launched as an engine
-    runs it (``end_step`` then also waits for the previous step's snapshot)."""
-    work, in_flight = [], []
-    for i in range(steps):
+    ``end_step``; the replay's own launch not counted), the device synchronised before each
+    step, so ``end_step`` finds the previous step done, two ways: ``work``, ``end_step`` after
+    the replay completed (the device idle), and ``in_flight``, ``end_step`` right behind the
+    replay's launch, the step running (as an engine runs it, less the wait for a step that is
+    still running)."""
+    out = {"work": [], "in_flight": []}
+    for i in range(2 * steps):
+        kind = "work" if i % 2 == 0 else "in_flight"
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        canary.prepare_head(batch)
-        canary.end_step(2 * i)
-        work.append((time.perf_counter() - t0) * 1e6)
         t0 = time.perf_counter()
         canary.prepare_head(batch)
         t1 = time.perf_counter()
         graph.replay()
+        if kind == "work":
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
-        canary.end_step(2 * i + 1)
-        in_flight.append((t1 - t0 + time.perf_counter() - t2) * 1e6)
+        canary.end_step(i)
+        out[kind].append((t1 - t0 + time.perf_counter() - t2) * 1e6)
     torch.cuda.synchronize()
     skip = min(3, steps - 1)
-    return {"work": spread(work[skip:]), "in_flight": spread(in_flight[skip:])}
+    return {k: spread(v[skip:]) for k, v in out.items()}
 
 
 def first_vs_steady(canary: Canary, batch: ForwardBatch, steps: int = 10) -> dict:

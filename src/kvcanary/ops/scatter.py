@@ -10,7 +10,8 @@ Contract (the op users know from sglang, keyword for keyword):
 | pool_out          | int32[rows, width]   | written in place                                 |
 
 For each request r: ``pool_out[req_pool_indices[r], :n] = int32(flat_in[offsets[r]:offsets[r]+n])``
-with ``n = min(offsets[r+1] - offsets[r], width)``; rows not addressed stay untouched. No batch
+with ``n = min(offsets[r+1] - offsets[r], width)``; rows not addressed stay untouched; with
+``lens_out`` (int64[>= bs]), also ``lens_out[r] = offsets[r+1] - offsets[r]`` in the same launch. No batch
 cap. Host tensors get value checks (offsets start at 0, never decrease, end at N; rows in
 range) with a ValueError. Device tensors are never synced: a request whose segment is not
 inside [0, N] (or runs backwards) or whose row is out of range writes nothing, so nothing is
@@ -25,7 +26,6 @@ import torch
 from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
-    cdiv,
     check_contiguous,
     check_same_device,
     check_table,
@@ -91,8 +91,10 @@ def _segment_ok(offsets, req_pool_indices, n: int, rows: int) -> torch.Tensor:
     return (start >= 0) & (start <= end) & (end <= n) & (req_pool_indices >= 0) & (req_pool_indices < rows)
 
 
-def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag) -> None:
+def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None) -> None:
     n, bs = flat_in.shape[0], req_pool_indices.shape[0]
+    if lens_out is not None:
+        torch.sub(offsets[1:], offsets[:-1], out=lens_out[:bs])
     rows, width = pool_out.shape
     bad_offsets = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
     bad_rows = ((req_pool_indices < 0) | (req_pool_indices >= rows)).any()
@@ -108,12 +110,13 @@ def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag) -> 
 
 # the sizes vary with every batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "width", "out_stride"])
-def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, width, out_stride,
-                    BLOCK: tl.constexpr):
+def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, n, bs, rows, width, out_stride,
+                    BLOCK: tl.constexpr, HAS_LENS: tl.constexpr):
     """Program (r, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:
     pool_out[rpi[r], :cnt] = flat_in[start : start + cnt], cnt = min(end - start, width), when
     0 <= start <= end <= n and the row is in range (else nothing). No search: each program reads
-    its own offsets. Program (0, 0) also checks every offset and row and raises the error flag."""
+    its own offsets. Program (r, 0) writes lens[r] = end - start (HAS_LENS). Program (0, 0) also
+    checks every offset and row and raises the error flag."""
     r = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1).to(tl.int64)
     split = tl.num_programs(1).to(tl.int64)
@@ -123,6 +126,8 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, w
     row = tl.load(rpi_ptr + r, mask=has, other=-1)
     ok = has & (start >= 0) & (start <= end) & (end <= n) & (row >= 0) & (row < rows)
     cnt = tl.where(ok, tl.minimum(end - start, width), 0)
+    if HAS_LENS:
+        tl.store(lens_ptr + r, end - start, mask=has & (k == 0))
     dst = out_ptr + row * out_stride
     for c in range(k * BLOCK, cnt, split * BLOCK):
         j = c + tl.arange(0, BLOCK).to(tl.int64)
@@ -146,19 +151,20 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, n, bs, rows, w
 def _scatter_grid(n: int, bs: int) -> tuple[int, int, int]:
     """(programs per request, BLOCK) from shapes alone: BLOCK ~ the mean segment (128..1024),
     enough programs per request to cover a mean segment in one pass (at most 64)."""
-    mean = cdiv(n, max(bs, 1))
-    block = min(max(triton.next_power_of_2(max(mean, 1)), 128), 1024)
-    return max(bs, 1), min(max(cdiv(mean, block), 1), 64), block
+    mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
+    block = 128 if mean <= 128 else 1024 if mean > 512 else 1 << (mean - 1).bit_length()
+    return max(bs, 1), min(max(-(-mean // block), 1), 64), block
 
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
                           pool_out: torch.Tensor, error_flag: torch.Tensor | None = None,
-                          backend: Backend = Backend.AUTO) -> torch.Tensor:
+                          lens_out: torch.Tensor | None = None, backend: Backend = Backend.AUTO) -> torch.Tensor:
     """Scatter ``flat_in`` segments into rows of ``pool_out`` (see module doc); returns ``error_flag``.
 
     Raises TypeError for wrong dtypes and ValueError for wrong ranks, a wrong offsets length,
     and (host tensors only) bad offsets or rows. ``error_flag`` is int32[1], allocated when not
-    given; pass a preallocated one inside CUDA-graph capture.
+    given; pass a preallocated one inside CUDA-graph capture. ``lens_out`` (int64[>= bs],
+    optional) receives each request's segment length.
     """
     device = validate_scatter(flat_in, offsets, req_pool_indices, pool_out)
     if error_flag is None:
@@ -167,12 +173,28 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
     if error_flag.shape[0] != 1:
         raise InputError(f"error_flag must be int32[1], got shape {tuple(error_flag.shape)}")
     check_same_device(pool_out=pool_out, error_flag=error_flag)
-    if use_triton(backend, device):
+    if lens_out is not None:
+        check_tensor("lens_out", lens_out, torch.int64, 1)
+        check_contiguous("lens_out", lens_out)
+        check_same_device(pool_out=pool_out, lens_out=lens_out)
+        if lens_out.shape[0] < req_pool_indices.shape[0]:
+            raise InputError(f"lens_out length {lens_out.shape[0]} < bs ({req_pool_indices.shape[0]}); "
+                             "pass one int64 per request")
+    scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out,
+                      use_triton(backend, device))
+    return error_flag
+
+
+def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, triton_path: bool) -> None:
+    """The launch of ``scatter_req_token_ids`` for arguments already checked (dtypes, ranks, one
+    device, contiguity, ``offsets`` length bs+1, ``error_flag`` int32[1], ``lens_out`` int64[>= bs]
+    or None): the runtime's per-step path, whose tensors were checked when their batch was built."""
+    if triton_path:
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
         _scatter_kernel[(programs, split)](
-            flat_in, offsets, req_pool_indices, pool_out, error_flag, n, bs, pool_out.shape[0], pool_out.shape[1],
-            pool_out.stride(0), BLOCK=block, num_warps=4)
+            flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
+            n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0), BLOCK=block,
+            HAS_LENS=lens_out is not None, num_warps=4)
     else:
-        _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag)
-    return error_flag
+        _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out)

@@ -16,6 +16,9 @@ each op then calls ``check()``, which only compares the buffers' addresses and s
 those seen at construction, so the hot path stays cheap. Kernels never raise: a wait that hit
 its cap or a ticket out of range (a stale workspace) and device-side bad offsets set bits of
 ``error``, which the runtime reports.
+
+``allocate`` lays ``ring_counter``, ``stats`` and ``error`` out back to back in one int64
+block (``counter_block()``), so the runtime snapshots all three with a single copy per step.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class Workspace:
     def max_tokens(self) -> int:
         return self.block_flag.shape[0] * WRITE_BLOCK
 
+COUNTER_BLOCK_WORDS = 1 + NUM_LAUNCH_TAGS * NUM_STATS + 1  # ring_counter, stats, error (one word)
+
 
 def _layout(tensors) -> tuple:
     return tuple((t.data_ptr(), t.shape) for t in tensors)
@@ -126,11 +131,10 @@ class DeviceState:
         if check_count("num_slots", num_slots) < 2:
             raise InputError(f"num_slots {num_slots} < 2; slot 0 is reserved, so a pool needs at least 2 slots")
         check_count("ring_capacity", ring_capacity)
+        block = torch.zeros(COUNTER_BLOCK_WORDS, dtype=torch.int64, device=device)
         return cls(torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8, device=device),
                    torch.full((ring_capacity, VIOLATION_ROW_WIDTH), -1, dtype=torch.int64, device=device),
-                   torch.zeros(1, dtype=torch.int64, device=device),
-                   torch.zeros(NUM_LAUNCH_TAGS, NUM_STATS, dtype=torch.int64, device=device),
-                   torch.zeros(1, dtype=torch.int32, device=device),
+                   block[:1], block[1:-1].view(NUM_LAUNCH_TAGS, NUM_STATS), block[-1:].view(torch.int32)[:1],
                    tuple(Workspace.allocate(max_bs, max_tokens, device) for _ in (LaunchPoint.HEAD, LaunchPoint.TAIL)))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -202,6 +206,18 @@ class DeviceState:
     @property
     def ring_capacity(self) -> int:
         return self.ring.shape[0]
+
+    def counter_block(self) -> torch.Tensor | None:
+        """The int64[COUNTER_BLOCK_WORDS] block ``ring_counter | stats | error`` (the error flags in
+        the low half of the last word) when the three lie back to back in that order, as
+        ``allocate`` lays them out; None for buffers built apart."""
+        c, words = self.ring_counter, COUNTER_BLOCK_WORDS
+        base, size, storage = c.data_ptr(), c.element_size(), c.untyped_storage()
+        if (self.stats.data_ptr() != base + size or self.error.data_ptr() != base + (words - 1) * size
+                or any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in (self.stats, self.error))
+                or storage.nbytes() < (c.storage_offset() + words) * size):
+            return None
+        return c.as_strided((words,), (1,), c.storage_offset())
 
     def workspace(self, point: LaunchPoint) -> Workspace | None:
         return self.workspaces[0 if point is LaunchPoint.HEAD else 1] if self.workspaces else None

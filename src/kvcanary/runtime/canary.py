@@ -42,11 +42,11 @@ from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
-from kvcanary.ops.scatter import scatter_req_token_ids
+from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
 from kvcanary.ops.stamp import stamp
 from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import verify
-from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
@@ -132,8 +132,8 @@ class Canary:
         self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
-        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
-        self._error_pending: list[tuple[torch.Tensor, object]] = []  # (host copy, event) of the error flags, CUDA
+        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats, error=self.state.error,
+                                 block=self.state.counter_block())
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
         self.incidents = IncidentTracker()
@@ -142,6 +142,9 @@ class Canary:
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
+        self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
+        # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
+        self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
         self.warmup_seconds = self.warmup() if warmup and dev.type == "cuda" else 0.0
 
     def warmup(self) -> float:
@@ -177,16 +180,35 @@ class Canary:
         if b.batch_size > self.config.max_bs:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
+        on_device = self._use_truth(b) and self.truth.is_cuda
+        if on_device:
+            self._check_truth_batch(b)
         self._meta.batch = b
         if self.incidents.open:  # a rewrite closes an open incident; nothing to track otherwise
             self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
-        if self._use_truth(b):
+        self._replays += 1  # until its TAIL runs eagerly
+        if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
+            scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
+                              self.truth_lens, HAS_TRITON)
+        elif self._use_truth(b):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                                   pool_out=self.truth, error_flag=self.state.error)
             bs = b.batch_size
             torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
         self.totals.seconds += time.perf_counter() - t0
+
+    def _check_truth_batch(self, b: ForwardBatch) -> None:
+        """What the truth scatter on CUDA needs beyond what ``ForwardBatch`` checked when it was
+        built (dtypes, ranks, lengths, one device; device tensors get no value checks: the kernel
+        masks and flags bad offsets and rows): the canary's device and contiguous tensors."""
+        if b.req_to_token.device != self.truth.device:
+            raise BatchError(f"ForwardBatch is on {b.req_to_token.device} but the canary is on {self.truth.device}")
+        for name in ("truth_ids", "truth_offsets", "req_pool_indices"):
+            t = getattr(b, name)
+            if not t.is_contiguous():
+                raise BatchError(f"ForwardBatch.{name} must be contiguous (got strides {t.stride()}); "
+                                 f"pass {name}.contiguous()")
 
     def launch_head(self, b: ForwardBatch) -> None:
         """The device half of HEAD: fixed-size launches only, no host sync, no allocation on the
@@ -238,6 +260,10 @@ class Canary:
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
                           truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
                           lut=self._lut(b), window=self.window, backend=Backend.TRITON)
+            if self.publishing and torch.cuda.is_current_stream_capturing():
+                self.reporter.publish()  # each replay hands end_step its counters
+            elif self._replays:
+                self._replays -= 1
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
@@ -391,11 +417,12 @@ class Canary:
         t0 = time.perf_counter()
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
-        self.reporter.snapshot(self._meta)
+        self.reporter.snapshot(self._meta, replays=self._replays)
+        self._replays = 0
         self._meta = StepMeta(step + 1)
         report.violations = self.reporter.collect()
         self.totals.steps += 1
-        report.alarms = self.watchdog.observe(self.reporter.latest_stats)
+        report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
@@ -404,26 +431,14 @@ class Canary:
         return report
 
     def _read_device_flags(self, flush: bool = False) -> int:
-        """The error flags the kernels raised (on CUDA: as of the previous step, copied behind it
-        without a sync; everything when ``flush``), then cleared; a WORKSPACE flag also resets
-        the workspaces."""
+        """The error flags the kernels raised (on CUDA: as of the snapshots the reporter just read,
+        a step old, copied with the counters without a sync; everything when ``flush``), then
+        cleared; a WORKSPACE flag also resets the workspaces."""
         err = self.state.error
-        if err.is_cuda and flush:
-            self._error_pending.clear()
-            bits = int(err[0])  # syncs: the end of a run
-        elif err.is_cuda:
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(err, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._error_pending.append((host, event))
-            if len(self._error_pending) < 2:
-                return 0
-            host, event = self._error_pending.pop(0)
-            event.synchronize()  # a step old: already complete on the device
-            bits = int(host[0])
+        if err.is_cuda and not flush:
+            bits = self.reporter.flags_read
         else:
-            bits = int(err[0])
+            bits = int(err[0])  # on CUDA this syncs: the end of a run
         if bits:
             err.zero_()
             if bits & DeviceFlag.WORKSPACE:

@@ -24,9 +24,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
+from kvcanary.runtime.snapshots import CopyRows, Publication
 
 VIOLATION_RE = re.compile(
     r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "
@@ -142,17 +144,23 @@ def _owners_by_row(b, table_row: int, position: int) -> tuple[tuple[object, int]
 @dataclass
 class _Snapshot:
     meta: StepMeta
-    counter: torch.Tensor
-    stats: torch.Tensor
+    counter: torch.Tensor | None  # CPU snapshots: the copies; CUDA snapshots read their row instead
+    stats: torch.Tensor | None
     event: object | None
     reset: bool
+    row: int = -1  # CUDA copy: the pinned row it was copied into
+    seq: int = -1  # CUDA replay: the publication that carries its counters
 
 
 class Reporter:
-    """Snapshots the ring counter and stats each step and decodes new rows one step later."""
+    """Snapshots the ring counter, stats and error flags each step and decodes new rows one step
+    later. On CUDA the three are read from preallocated pinned rows (``runtime.snapshots``): a
+    replayed graph publishes them itself; otherwise ``snapshot`` copies them (one copy when
+    ``block`` holds them back to back, as ``DeviceState.counter_block()``)."""
 
-    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor):
-        self.ring, self.counter, self.stats = ring, counter, stats
+    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *,
+                 error: torch.Tensor | None = None, block: torch.Tensor | None = None):
+        self.ring, self.counter, self.stats, self.error, self.block = ring, counter, stats, error, block
         self.is_cuda = ring.is_cuda
         self.lag = 1 if self.is_cuda else 0
         self._pending: deque[_Snapshot] = deque()
@@ -161,47 +169,91 @@ class Reporter:
         self._reset_next = False
         self.rows_read = 0
         self.latest_stats = torch.zeros_like(stats, device="cpu")
+        self.latest_stats_view = self.latest_stats.numpy()  # the same memory, for reads without torch dispatch
         self.latest_total = 0
+        self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
+        self._copies = CopyRows(2 + stats.numel(), ring.device) if self.is_cuda else None
+        self.publication: Publication | None = None  # set by ``start_publishing``
 
-    def snapshot(self, meta: StepMeta) -> None:
-        """Enqueue the copy of the counter and stats behind the step's checks (never blocks)."""
-        pin = self.is_cuda
-        counter = torch.empty(1, dtype=torch.int64, pin_memory=pin)
-        stats = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=pin)
-        counter.copy_(self.counter, non_blocking=pin)
-        stats.copy_(self.stats, non_blocking=pin)
-        event = None
-        if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
+    def start_publishing(self) -> bool:
+        """On CUDA with a counter block: let captured graphs publish their counters (``publish``);
+        False (copies only) where the device cannot."""
+        if not self.is_cuda or self.block is None:
+            return False
+        pub = Publication(self.block)
+        self.publication = pub if pub.probe() else None
+        return self.publication is not None
+
+    def publish(self) -> None:
+        """The launch a captured graph holds after TAIL (see ``runtime.snapshots``)."""
+        self.publication.launch()
+
+    def snapshot(self, meta: StepMeta, replays: int = 0) -> None:
+        """Enqueue this step's counters (never blocks): ``replays`` graph replays since the last
+        snapshot published them (CUDA, ``start_publishing``); else they are copied now, behind the
+        step's checks."""
         reset = self._reset_next
+        if replays and self.publication is not None:
+            self.publication.expected += replays
+            snap = _Snapshot(meta, None, None, None, reset, seq=self.publication.expected)
+        elif self.is_cuda:
+            snap = self._copy_cuda(meta, reset)
+        else:
+            counter, stats = self.counter.clone(), self.stats.clone()
+            snap = _Snapshot(meta, counter, stats, None, reset)
         if reset:
             self.counter.zero_()
             self._reset_next = False
-        self._pending.append(_Snapshot(meta, counter, stats, event, reset))
+        self._pending.append(snap)
+
+    def _copy_cuda(self, meta: StepMeta, reset: bool) -> _Snapshot:
+        c = self._copies
+        i = c.take()
+        row = c.rows[i]
+        if self.block is not None:
+            row.copy_(self.block, non_blocking=True)
+        else:
+            row[:1].copy_(self.counter, non_blocking=True)
+            row[1:-1].copy_(self.stats.view(-1), non_blocking=True)
+            if self.error is not None:
+                row[-1:].view(torch.int32)[:1].copy_(self.error, non_blocking=True)
+        event = c.events[i]
+        event.record()
+        return _Snapshot(meta, None, None, event, reset, row=i)
 
     def collect(self, flush: bool = False) -> list[Violation]:
         """Decode the rows of every snapshot at least ``lag`` steps old (all when ``flush``)."""
         out = []
+        self.flags_read = 0
         while self._pending and (flush or len(self._pending) > self.lag):
-            snap = self._pending.popleft()
-            if snap.event is not None:
-                snap.event.synchronize()  # a step old: already complete on the device
-            out += self._read(snap)
+            out += self._read(self._pending.popleft())
         return out
 
+    def _words(self, snap: _Snapshot) -> np.ndarray:
+        """The snapshot's ``ring_counter | stats | error`` words (waits for a step-old one)."""
+        if snap.seq >= 0:
+            return self.publication.read(snap.seq)
+        if snap.row >= 0:
+            snap.event.synchronize()  # a step old: already complete on the device
+            words = self._copies.views[snap.row].copy()
+            self._copies.free.append(snap.row)  # read: the next snapshot may reuse its row and event
+            return words
+        return np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]])
+
     def _read(self, snap: _Snapshot) -> list[Violation]:
-        total = int(snap.counter[0])
-        self.latest_stats = snap.stats.clone()
+        words = self._words(snap)
+        total = int(words[0])
+        self.latest_stats_view.reshape(-1)[:] = words[1:-1]
+        if self.is_cuda:
+            self.flags_read |= int(words[-1:].view(np.int32)[0])
         self.latest_total = self._total_before + total
         cap = self.ring.shape[0]
         hi = min(total, cap)
         rows = []
         if hi > self._read_upto:
-            if self._side is not None:
+            if self._side is not None:  # the host saw the snapshot complete: the rows are written
                 with torch.cuda.stream(self._side):
-                    self._side.wait_event(snap.event)
                     rows = decode_rows(self.ring[self._read_upto:hi])
             else:
                 rows = decode_rows(self.ring[self._read_upto:hi])

@@ -78,8 +78,9 @@ def warm_up(canary: Canary) -> float:
         for n in SCATTER_TOKENS:
             flat = torch.zeros(n, dtype=torch.int64, device=dev)
             offsets = torch.tensor([0, n], dtype=torch.int64, device=dev)
+            lens = torch.zeros(1, dtype=torch.int64, device=dev) if canary.truth.is_cuda else None  # prepare_head's
             scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
-                                  pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev))
+                                  pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev), lens_out=lens)
     canary._load_sweep_plan([], [], [], [])
     for t, before in saved:
         t.copy_(before)

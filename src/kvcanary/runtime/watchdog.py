@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint
+
+_POINTS = tuple(LaunchPoint)
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,13 @@ class Watchdog:
         self._fired = {p: False for p in LaunchPoint}
 
     def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
-        """Feed a stats snapshot (int64[tags, 3]) covering ``steps`` more steps; returns new alarms."""
+        """Feed a stats snapshot (int64[tags, 3], a tensor or a numpy array) covering ``steps`` more
+        steps; returns new alarms."""
         alarms = []
-        for p in LaunchPoint:
-            launches = int(stats[4 * p: 4 * p + 4, STAT_LAUNCHES].sum())
+        col = np.asarray(stats)[:, STAT_LAUNCHES].tolist()  # one conversion; tags 4p..4p+3 are point p's
+        per = len(col) // len(_POINTS)
+        for p in _POINTS:
+            launches = sum(col[per * p: per * p + per])
             if launches != self._last[p]:
                 self._last[p], self._since[p], self._seen[p], self._fired[p] = launches, 0, True, False
                 continue

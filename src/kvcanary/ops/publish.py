@@ -1,0 +1,62 @@
+"""publish_counters: copy the counter block into a host-visible ring of rows from a kernel, so a
+CUDA graph that holds the launch hands the host each step's counters with no host call.
+
+| argument | dtype / shape      | meaning                                                         |
+|----------|--------------------|-----------------------------------------------------------------|
+| block    | int64[W]           | the words to publish (``DeviceState.counter_block()``)          |
+| seq      | int64[1]           | publish counter on the block's device; incremented by each call |
+| rows     | int64[K, W + 1]    | pinned host rows (CUDA) or host rows (CPU), written in place     |
+
+Each call: ``s = seq + 1; seq = s; rows[s % K, 1:] = block; rows[s % K, 0] = s``. On CUDA the
+kernel writes the row's words, then a system-scope fence, then the sequence word, so a host that
+reads ``rows[k, 0] == s`` reads the whole row of publish ``s``. Nothing is validated per call: the
+runtime builds the three buffers once (``Reporter``) and checks them there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.ops._common import tl, triton
+
+
+def _publish_torch(block: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor) -> None:
+    seq += 1
+    s = int(seq[0])
+    row = rows[s % rows.shape[0]]
+    row[1:] = block.to(rows.device)
+    row[0] = s
+
+
+@triton.jit
+def _fence():
+    tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _publish_kernel(block_ptr, seq_ptr, rows_ptr, num_rows, W: tl.constexpr, BLOCK: tl.constexpr,
+                    FENCE: tl.constexpr):
+    """One program: s = seq + 1; row s % num_rows gets the W block words, then (after a
+    system-scope fence in every thread and a barrier) its sequence word s."""
+    s = tl.load(seq_ptr) + 1
+    tl.store(seq_ptr, s)
+    row = rows_ptr + (s % num_rows) * (W + 1)
+    j = tl.arange(0, BLOCK)
+    m = j < W
+    tl.store(row + 1 + j, tl.load(block_ptr + j, mask=m, other=0), mask=m)
+    if FENCE:
+        _fence()
+    tl.debug_barrier()
+    if FENCE:
+        _fence()
+    tl.store(row, s)
+
+
+def publish_counters(block: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor, triton_path: bool) -> None:
+    """Publish ``block`` into ``rows`` (see module doc); ``triton_path`` launches the kernel."""
+    if triton_path:
+        w = block.shape[0]
+        _publish_kernel[(1,)](block, seq, rows, rows.shape[0], W=w, BLOCK=triton.next_power_of_2(w),
+                              FENCE=block.is_cuda, num_warps=1)
+    else:
+        _publish_torch(block, seq, rows)

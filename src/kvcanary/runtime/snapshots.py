@@ -1,0 +1,110 @@
+"""Where a CUDA step's counters land on the host without allocating: two preallocated rings.
+
+| ring            | written by                                         | read when                         |
+|-----------------|----------------------------------------------------|-----------------------------------|
+| ``CopyRows``    | ``end_step``: one copy of the counter block into a | its event completed (a step late) |
+|                 | pinned row, one event record                       |                                   |
+| ``Publication`` | a kernel captured after TAIL in the step's graph   | its row shows the expected        |
+|                 | (``ops.publish``): the block and a sequence word  | sequence number (a step late)     |
+
+A row holds the counter block: ``ring_counter | stats | error`` (``DeviceState.counter_block()``).
+An eagerly run forward is snapshotted by copy; a replayed graph publishes its own counters, so
+``end_step`` after a replay makes no CUDA call at all. The host counts the replays it expects
+(forwards prepared without an eager TAIL); when the expected row does not arrive (a replay
+without TAIL, replays without ``end_step``) the reader synchronises and falls back to the
+block as it is then, and counts on from the device's sequence number.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvcanary.ops.publish import publish_counters
+
+SPIN_CHECK_S = 1e-3  # while waiting for a published row, look this often whether the stream went idle
+
+
+class CopyRows:
+    """Pinned rows with one reusable event each: a row is taken at a snapshot and given back once
+    read (more rows are made only when more snapshots are pending than ever before)."""
+
+    def __init__(self, width: int, device: torch.device, rows: int = 4):
+        self.width, self.device = width, device
+        self.rows: list[torch.Tensor] = []
+        self.views: list[np.ndarray] = []  # numpy views of the rows: reads without torch dispatch
+        self.events: list[torch.Event] = []  # recorded on the current stream in C++: no Python stream lookup
+        self.free: list[int] = []
+        for _ in range(rows):
+            self._grow()
+
+    def _grow(self) -> None:
+        row = torch.zeros(self.width, dtype=torch.int64, pin_memory=True)
+        self.free.append(len(self.rows))
+        self.rows.append(row)
+        self.views.append(row.numpy())
+        self.events.append(torch.Event(device=self.device))
+
+    def take(self) -> int:
+        if not self.free:
+            self._grow()
+        return self.free.pop()
+
+
+class Publication:
+    """The publish ring of one counter block: ``rows[k] = [seq, block...]`` (pinned), written by
+    ``launch()`` (captured into a graph), read by ``read(seq)``."""
+
+    def __init__(self, block: torch.Tensor, num_rows: int = 8):
+        self.block = block
+        self.seq = torch.zeros(1, dtype=torch.int64, device=block.device)
+        self.rows = torch.zeros(num_rows, 1 + block.shape[0], dtype=torch.int64, pin_memory=True)
+        self.view = self.rows.numpy()
+        self.expected = 0  # sequence number of the last publication the host counted on
+        self.fallbacks = 0  # reads that found no row and took the block after a synchronise
+
+    def launch(self) -> None:
+        publish_counters(self.block, self.seq, self.rows, triton_path=True)
+
+    def probe(self) -> bool:
+        """Publish once eagerly (compiles the kernel) and check that the row arrived whole; counts
+        on from there. False when this device cannot publish into pinned memory."""
+        self.rows.fill_(-1)  # so the probe sees every word written
+        try:
+            self.launch()
+            torch.cuda.synchronize(self.block.device)
+        except Exception:  # noqa: BLE001 - no host-mapped pinned memory, or no such instruction: use copies
+            return False
+        s = int(self.seq[0])
+        self.expected = s
+        row = self.view[s % self.view.shape[0]]
+        return s == 1 and int(row[0]) == s and np.array_equal(row[1:], self.block.cpu().numpy())
+
+    def read(self, seq: int) -> np.ndarray:
+        """The block words of publication ``seq`` (waits while the device has not reached it);
+        after a synchronise, the block as it is then when that publication never came."""
+        view = self.view
+        row = view[seq % view.shape[0]]
+        if row[0] != seq:
+            self._wait(row, seq)
+        if row[0] == seq:
+            words = row[1:].copy()
+            if row[0] == seq:  # not overwritten while copied
+                return words
+        torch.cuda.synchronize(self.block.device)
+        if row[0] == seq:
+            return row[1:].copy()
+        self.fallbacks += 1
+        self.expected = int(self.seq[0])
+        return self.block.cpu().numpy()
+
+    def _wait(self, row: np.ndarray, seq: int) -> None:
+        stream = torch.cuda.current_stream(self.block.device)
+        t = time.perf_counter()
+        while row[0] < seq:
+            if time.perf_counter() - t > SPIN_CHECK_S:
+                if stream.query():  # idle and still not there: it will not come on this stream
+                    return
+                t = time.perf_counter()
