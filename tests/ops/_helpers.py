@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvcanary.core.record import new_ring, new_stats, record_words
 from kvcanary.ops._common import Backend
+from kvcanary.ops._cpu import usable as numba_usable
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.ops.plan import Plan
 from kvcanary.ops.state import DeviceState, Workspace
@@ -20,6 +21,9 @@ from ._compare import assert_same
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = (Backend.TORCH, Backend.TRITON)
 BACKEND_IDS = [b.value for b in BACKENDS]
+# the ops with a compiled CPU kernel (check_forward, verify, scatter_req_token_ids) are checked on it too
+WITH_NUMBA = (*BACKENDS, Backend.NUMBA) if numba_usable() else BACKENDS
+WITH_NUMBA_IDS = [b.value for b in WITH_NUMBA]
 SEEDS = st.integers(0, 2**32 - 1)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -32,8 +32,8 @@ from kvcanary.ops.plan import Plan
 from . import reference as ref
 from ._compare import assert_same
 from ._helpers import (
-    BACKENDS,
     SEEDS,
+    WITH_NUMBA,
     assert_ring,
     device_for,
     plan_lists,
@@ -171,7 +171,7 @@ def check_all(w: dict, split: int | None = None) -> list[list[int]]:
     want_stats[w["tag"], STAT_LAUNCHES] += 1
     want_stats[w["tag"], STAT_CHECKED] += checked
     want_stats[w["tag"], STAT_STAMPED] += stamped
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args, _ = run_op(check_forward, backend, **w, split=split)
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]),
                     rows)
@@ -250,7 +250,7 @@ def test_duplicate_write_targets_are_named_at_head(lut):
         _, rows, _, _ = expected(w)
         assert len(rows) == (2 if dup else 0)
         assert all(r[7] == int(Reason.WRITE_CONFLICT) for r in rows)
-        for backend in BACKENDS:
+        for backend in WITH_NUMBA:
             args, _ = run_op(check_forward, backend, **w, split=2)
             assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"],
                         int(w["ring_counter"]), rows)

@@ -37,9 +37,9 @@ from kvcanary.ops.verify import verify
 from . import reference as ref
 from ._compare import assert_same, sorted_rows
 from ._helpers import (
-    BACKEND_IDS,
-    BACKENDS,
     SEEDS,
+    WITH_NUMBA,
+    WITH_NUMBA_IDS,
     assert_ring,
     device_for,
     on_device,
@@ -122,7 +122,7 @@ def check_all_backends(inputs: dict) -> list[list[int]]:
     want_stats = inputs["stats"].clone()
     want_stats[inputs["tag"], STAT_LAUNCHES] += 1
     want_stats[inputs["tag"], STAT_CHECKED] += checked
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args, _ = run_op(verify, backend, **inputs)
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], inputs["ring"],
                     int(inputs["ring_counter"]), rows)
@@ -263,7 +263,7 @@ def row(tag, slot, stored_pos, stored_tok, expected_tok, stored, expected, reaso
     return [tag, slot, stored_pos, stored_tok, expected_tok, stored, expected, int(reasons)]
 
 
-BACKEND_PARAM = pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+BACKEND_PARAM = pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 
 
 @BACKEND_PARAM
@@ -547,7 +547,7 @@ SOURCE = KVSource.from_buffer(torch.zeros(8, 32, dtype=torch.uint8))
      ValueError, "sources[0] covers 6 slots < the canary's 8"),
 ])
 def test_validation_errors(change, exc, fragment):
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         with pytest.raises(exc) as info:
             with_state(verify, **{**valid_args(), **change}, backend=backend)
         assert fragment in str(info.value)
@@ -563,7 +563,7 @@ def test_strided_canary_is_refused_on_every_backend():
     """A canary inside a wider buffer: refused by the state on both paths, nothing written."""
     gen = torch.Generator().manual_seed(5)
     inputs = make_inputs(gen, [4, 6], FingerprintMode.ALL, with_truth=True, corrupt=0.2, tag=3)
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args = {k: on_device(v, torch.device("cpu")) for k, v in inputs.items()}
         buf = torch.zeros(args["canary"].shape[0], 64, dtype=torch.uint8)
         buf[:, :32] = args["canary"]
@@ -574,7 +574,7 @@ def test_strided_canary_is_refused_on_every_backend():
         assert_same("stats", args["stats"], inputs["stats"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA)
 @pytest.mark.parametrize("count,enable,expected", [(5, 2, 5), (-3, 1, 0), (10**9, 1, 8), (5, 0, 0)])
 def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expected):
     """enable is a flag (any non-zero) and count is clamped to [0, capacity]: a hand-filled plan

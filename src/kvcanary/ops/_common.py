@@ -3,7 +3,9 @@
 Every public op validates dtypes, ranks and devices always, validates values only when the
 tensors live on the host (no device sync on the hot path), then dispatches: Triton on CUDA,
 vectorised torch on CPU. ``backend=Backend.TRITON`` forces the kernel, which tests use on CPU
-tensors under ``TRITON_INTERPRET=1``.
+tensors under ``TRITON_INTERPRET=1``. ``check_forward``, ``verify`` and ``scatter_req_token_ids``
+also have a compiled CPU kernel (``Backend.NUMBA``, ``ops._cpu``), their CPU default where numba
+is installed and imports.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class Backend(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    NUMBA = "numba"  # the compiled CPU kernels of ops._cpu (check_forward, verify, scatter_req_token_ids)
 
 
 def use_triton(backend: Backend, device: torch.device) -> bool:
-    if backend is Backend.TORCH:
+    if backend in (Backend.TORCH, Backend.NUMBA):
         return False
     if backend is Backend.TRITON or device.type == "cuda":
         if not HAS_TRITON:

@@ -40,6 +40,7 @@ import torch
 
 from kvcanary.core.record import LaunchPoint, record_words
 from kvcanary.errors import InputError, InputTypeError
+from kvcanary.ops import _cpu
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -53,6 +54,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
+from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import find_segment, link64, seg_add
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
@@ -426,6 +428,10 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     if max_spins is not None and (isinstance(max_spins, bool) or not isinstance(max_spins, int)
                                   or not 1 <= max_spins < 2**62):
         raise InputError(f"max_spins {max_spins!r} out of range [1, 2**62); pass None for the default")
+    if use_numba(backend, device):
+        _cpu.check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                   out_cache_loc, truth, truth_lens, lut, held if stamp else None, tag, stamp, sources, meta, window)
+        return
     if not use_triton(backend, device):
         _check_torch(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                      out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.errors import InputError, InputTypeError
+from kvcanary.ops import _cpu
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -35,6 +36,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
+from kvcanary.ops._cpu import use_numba
 
 ERR_OFFSETS = 1
 ERR_ROWS = 2
@@ -167,7 +169,9 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
     if error_flag.shape[0] != 1:
         raise InputError(f"error_flag must be int32[1], got shape {tuple(error_flag.shape)}")
     check_same_device(pool_out=pool_out, error_flag=error_flag)
-    if use_triton(backend, device):
+    if use_numba(backend, device):
+        _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag)
+    elif use_triton(backend, device):
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
         _scatter_kernel[(programs, split)](

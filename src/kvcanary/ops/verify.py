@@ -36,7 +36,9 @@ from kvcanary.core.record import (
     record_words,
 )
 from kvcanary.errors import InputTypeError
+from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
+from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import append_violations, link64
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
@@ -196,7 +198,9 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
     device = state.device
     meta = validate_meta(meta, sources, mode, device)
     check_programs(max_programs)
-    if use_triton(backend, device):
+    if use_numba(backend, device):
+        _cpu.verify(state, plan, tag, sources, meta)
+    elif use_triton(backend, device):
         canary, ring = state.records, state.ring
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024

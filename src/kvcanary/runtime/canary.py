@@ -36,7 +36,7 @@ from kvcanary.core.record import (
     Reason,
 )
 from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
-from kvcanary.ops.backend import HAS_TRITON, Backend
+from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
@@ -113,6 +113,17 @@ class CanaryTotals:
     seconds: float = 0.0
 
 
+def fused_backend(fused: bool | None, device: torch.device) -> Backend | None:
+    """Who runs HEAD and TAIL as one ``check_forward`` call each (``CanaryConfig.fused``): the Triton
+    kernel on CUDA (or, ``fused=True``, interpreted on the CPU), the compiled CPU kernel on the CPU
+    where numba serves; None (``fused=False``, or no kernel): the ops one by one."""
+    if fused is False:
+        return None
+    if device.type == "cuda" or fused:
+        return Backend.TRITON if HAS_TRITON else None
+    return Backend.NUMBA if cpu_kernels_usable() else None
+
+
 class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
                  pool: PoolKind = PoolKind.FULL, window: int = 0, warmup: bool = True):
@@ -128,8 +139,9 @@ class Canary:
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
-        # on CUDA, HEAD and TAIL are one launch each (check_forward); elsewhere the ops run one by one
-        self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
+        # HEAD and TAIL are one check_forward call each where a kernel serves; else the ops one by one
+        self.backend = fused_backend(config.fused, dev)
+        self.fused = self.backend is not None
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
@@ -142,7 +154,11 @@ class Canary:
         self._sweep_cursor = 0
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
-        self.warmup_seconds = self.warmup() if warmup and dev.type == "cuda" else 0.0
+        self.warmup_seconds = 0.0
+        if warmup and dev.type == "cuda":
+            self.warmup()
+        elif warmup and self.backend is Backend.NUMBA:  # compiled once per machine, then loaded from disk
+            self.warmup_seconds = compile_cpu_kernels()
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile; runs on
@@ -201,7 +217,7 @@ class Canary:
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
                           truth_lens=truth_lens, lut=self._lut(b), window=self.window, marks=self.marks,
-                          held=self._held_now(), backend=Backend.TRITON)
+                          held=self._held_now(), backend=self.backend)
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
@@ -237,7 +253,7 @@ class Canary:
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
                           truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                          lut=self._lut(b), window=self.window, backend=Backend.TRITON)
+                          lut=self._lut(b), window=self.window, backend=self.backend)
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
