@@ -28,6 +28,7 @@ from kvcanary.ops._common import Backend
 from kvcanary.ops.check import Workspace, check_forward, verify_split
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.ops.plan import Plan
+from kvcanary.ops.state import DeviceState
 
 from . import reference as ref
 from ._compare import assert_same
@@ -292,3 +293,21 @@ def test_workspace_errors():
         Workspace.allocate(0, 8)
     with pytest.raises(ValueError, match="max_tokens 0 < 1"):
         Workspace.allocate(2, 0)
+
+
+@pytest.mark.parametrize("backend", [Backend.TORCH, Backend.AUTO], ids=["torch", "auto"])
+def test_a_batch_changed_after_its_head_is_validated_again(backend):
+    """HEAD and TAIL of one forward validate its batch once; a tensor changed in place since (or
+    replaced) is checked again, so the bad value is refused before anything is written."""
+    w = valid_world()
+    state = DeviceState(w.pop("canary"), w.pop("ring"), w.pop("ring_counter"), w.pop("stats"))
+    check_forward(state=state, **w, backend=backend)
+    check_forward(state=state, **(w | dict(stamp=False)), backend=backend)  # the same batch: passes again
+    before = state.records.clone()
+    w["req_pool_indices"][1] = 9
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] out of range"):
+        check_forward(state=state, **(w | dict(stamp=False)), backend=backend)
+    w["req_pool_indices"] = torch.tensor([1, -1])
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] out of range"):
+        check_forward(state=state, **w, backend=backend)
+    assert state.records.equal(before)

@@ -31,6 +31,7 @@ from kvcanary.core.record import FINGERPRINT, Half, record_words
 from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
+    Validated,
     cdiv,
     check_contiguous,
     check_len,
@@ -222,11 +223,19 @@ def validate_meta(meta, sources, mode: FingerprintMode, device) -> torch.Tensor 
     if meta.device != device:
         raise InputError(f"meta is on {meta.device} but the state is on {device}")
     if is_host(meta):
+        # the table's values follow from these alone: an unchanged meta that matched them matches
+        shape = (mode, tuple((s.page_size, s.page_stride, s.bytes_per_token) for s in sources))
+        if _META_VALIDATED.seen(meta, (meta,), shape):
+            return meta
         want = source_meta(sources, mode, device)
         if not torch.equal(meta, want):
             raise InputError(f"meta {meta[:len(sources)].tolist()} != source_meta(sources, mode) "
                              f"{want[:len(sources)].tolist()}; rebuild it when the sources or the mode change")
+        _META_VALIDATED.remember(meta, (meta,), shape)
     return meta
+
+
+_META_VALIDATED = Validated()
 
 
 def block_words(sources, mode: FingerprintMode, cap: int = 128) -> int:
