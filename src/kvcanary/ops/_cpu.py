@@ -337,9 +337,13 @@ def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring
                     meta, num_sources)
 
 
-def _scatter(flat, offsets, rpi, out, error_flag):
-    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment."""
+def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens):
+    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
+    ``has_lens``: also each request's segment length into ``lens``."""
     n, bs = flat.shape[0], rpi.shape[0]
+    if has_lens:
+        for r in range(bs):
+            lens[r] = offsets[r + 1] - offsets[r]
     rows, width = out.shape[0], out.shape[1]
     bad_off = offsets[0] != 0 or offsets[bs] != n
     bad_rows = False
@@ -360,7 +364,7 @@ _CHECK_SIG = ("void(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int6
 _VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[:], int32[:], int64[:], int32[:], "
                "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64, "
                "int64)")
-_SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:])"
+_SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean)"
 # inlined: the scalar helpers of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
@@ -516,6 +520,8 @@ def verify(state, plan, tag: int, sources, meta) -> None:
         _np(plan.count), _np(plan.enable), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, len(sources), tag)
 
 
-def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag) -> None:
-    """``scatter_req_token_ids`` on CPU tensors (validated by the caller) through the compiled kernel."""
-    kernel("scatter")(flat_in.numpy(), offsets.numpy(), req_pool_indices.numpy(), _np(pool_out), error_flag.numpy())
+def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None) -> None:
+    """``scatter_req_token_ids`` on CPU tensors (validated by the caller) through the compiled kernel;
+    ``lens_out`` (int64[>= bs] or None): each request's segment length too."""
+    kernel("scatter")(flat_in.numpy(), offsets.numpy(), req_pool_indices.numpy(), _np(pool_out), error_flag.numpy(),
+                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None)
