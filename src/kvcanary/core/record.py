@@ -26,6 +26,7 @@ import torch
 
 RECORD_BYTES = 32
 RECORD_WORDS = 4
+ROW_BYTES = RECORD_BYTES + 8  # a record that travels with its K/V: the 32 bytes, then its source-tag side word
 TOKEN, POSITION, CHAIN, FINGERPRINT = range(RECORD_WORDS)
 PAD_SLOT = 0
 
