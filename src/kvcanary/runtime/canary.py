@@ -9,9 +9,10 @@ HEAD: scatter the token truth, build the plan, verify the prefix (identity), sta
 slots. TAIL: verify the prefix again with fingerprints, record the written slots' fingerprints.
 SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
 carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: the record and its
-source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier (``attach_host_tier`` first; load-back is verified at once). Violations
-are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
-``slots_freed`` so that a slot's incidents close when it is reused.
+source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
+(``attach_host_tier`` first; load-back is verified at once). Violations are grouped into
+incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
+slot's incidents close when it is reused.
 """
 
 from __future__ import annotations
