@@ -75,6 +75,14 @@ def test_violation_row_from_row():
         ViolationRow.from_row([12] + [0] * 7)
 
 
+def test_violation_row_source_mask_above_the_launch_tag():
+    """A fingerprint row: the launch tag in the low 8 bits, the differing sources' mask above."""
+    tag = LaunchTag(LaunchPoint.TAIL, PoolKind.FULL, Half.V)
+    row = ViolationRow.from_row([tag.value | 0b1010 << 8, 9, 4, 7, -1, 11, 12, int(Reason.FINGERPRINT)])
+    assert (row.tag, row.sources_mask, row.source_indices) == (tag, 0b1010, (1, 3))
+    assert ViolationRow.from_row([tag.value, 9, 4, 7, -1, 11, 12, 4]).source_indices == ()
+
+
 def test_decode_rows():
     rows = torch.tensor([[0, 5, 1, 2, 2, 9, 8, 1], [4, -1, -1, -1, -1, -1, -1, 3]])
     got = decode_rows(rows)

@@ -142,3 +142,12 @@ def test_a_digest_mismatch_names_the_ranks_off_the_common_digest():
 def test_watchdog_alarm_bit_decodes():
     reasons, points, alarm = decode_code(ALARM_BIT | HEAD_CHAIN)
     assert alarm and points == (LaunchPoint.HEAD,) and reasons == Reason.CHAIN | Reason.POSITION
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["host-bounds", "masked-as-on-cuda"])
+def test_ring_summary_reads_the_launch_point_below_a_source_mask(masked):
+    """A fingerprint row's tag column carries the differing sources above bit 8: the point is TAIL."""
+    ring = ring_with([(LaunchPoint.TAIL, Reason.FINGERPRINT)])
+    ring[0, COL_TAG] |= 0b1010 << 8
+    rows, code = RingSummary(ring, masked)(torch.tensor([0]), torch.tensor([1]))
+    assert int(rows) == 1 and decode_code(int(code)) == (Reason.FINGERPRINT, (LaunchPoint.TAIL,), False)

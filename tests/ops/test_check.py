@@ -36,9 +36,11 @@ from ._helpers import (
     SEEDS,
     WITH_NUMBA,
     assert_ring,
+    damage_sources,
     device_for,
     plan_lists,
     random_canary,
+    random_tags,
     run_op,
     token_ids,
     with_state,
@@ -57,12 +59,16 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     max_ctx = max([p + e for p, e in zip(prefix, extend, strict=True)], default=0) + 2
     canary = random_canary(gen, num_slots)
     words = record_words(canary)
+    aux = torch.Generator().manual_seed(gen.initial_seed() + 1)  # side words, halves, K/V damage: gen's draws stay
+    tags = random_tags(aux, num_slots)
     sources = []
     if mode is not FingerprintMode.NONE:
         page = int(torch.randint(1, 4, (1,), generator=gen))
         pages = -(-num_slots // page)
-        sources = [KVSource.from_buffer(torch.randint(0, 256, (pages, page, 48), dtype=torch.uint8, generator=gen),
-                                        page_size=page, half=Half(i)) for i in range(2)]
+        sources = [KVSource.from_buffer(torch.randint(0, 256, (pages, page, 48), dtype=torch.uint8,
+                                                      generator=gen if i < 2 else aux),
+                                        page_size=page, half=Half(int(torch.randint(0, 2, (1,), generator=aux))),
+                                        layer=i) for i in range(2 + int(torch.randint(0, 3, (1,), generator=aux)))]
     ref_sources = [ref.RefSource.of(s) for s in sources]
     # the pool slot of page-table slot s: identity, or a permutation through a LUT (0 stays 0)
     table = torch.arange(num_slots)
@@ -83,7 +89,10 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
         truth_lens.append(n + e - int(torch.randint(0, 2, (1,), generator=gen)))
         for p, (s, c) in enumerate(zip(slots[:n], chain_values(tokens[:n]), strict=True)):
             pool_slot = int(table[s])
-            fp = ref.fingerprint_slot(pool_slot, ref_sources, mode) if sources else 0
+            if sources:
+                fp, tags[pool_slot] = ref.fingerprint_parts(pool_slot, ref_sources, mode)
+            else:
+                fp = 0
             words[pool_slot] = torch.tensor([tokens[p], p, to_signed(c), fp])
         ids += tokens[n:]
         pos += list(range(n, n + e))
@@ -95,6 +104,7 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     bad = torch.rand(num_slots, generator=gen) < corrupt
     col = torch.randint(0, 4, (num_slots,), generator=gen)
     words[bad, col[bad]] += torch.randint(1, 3, (int(bad.sum()),), generator=gen)
+    damage_sources(aux, sources, num_slots, corrupt)
     hit = torch.rand(rtt.shape, generator=gen) < corrupt / 4
     wild = torch.tensor([0, -3, num_slots, num_slots + 7, 1], dtype=torch.int32)
     rtt = torch.where(hit, wild[torch.randint(0, 5, rtt.shape, generator=gen)], rtt)
@@ -132,11 +142,11 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
                 stamp=stamp, truth=truth if with_truth else None,
                 truth_lens=torch.tensor(truth_lens, dtype=torch.int64) if with_truth else None,
                 sources=sources, mode=mode, lut=table if lut else None, window=window,
-                held=torch.tensor(held, dtype=torch.int64))
+                held=torch.tensor(held, dtype=torch.int64), source_tags=tags)
 
 
 def expected(w: dict):
-    """(records, ring rows, checked, stamped) of the sequence of reference ops."""
+    """(records, side words, ring rows, checked, stamped) of the sequence of reference ops."""
     bs = w["req_pool_indices"].shape[0]
     rpi, prefix, extend = w["req_pool_indices"].tolist(), w["prefix_lens"].tolist(), w["extend_lens"].tolist()
     rtt, max_ctx = w["req_to_token"].tolist(), w["req_to_token"].shape[1]
@@ -148,8 +158,8 @@ def expected(w: dict):
     plan = ref.build_plan(rpi, prefix, extend, rtt, max_ctx, plan_lists(Plan.allocate(max(entries, 1), max(bs, 1))),
                           truth, max_ctx, tlens, lut, w["window"])
     sources = [ref.RefSource.of(s) for s in w["sources"]]
-    words = words_of(w["canary"])
-    rows, checked = ref.verify(words, plan, w["tag"], sources, w["mode"])
+    words, tags = words_of(w["canary"]), w["source_tags"].tolist()
+    rows, checked = ref.verify(words, plan, w["tag"], sources, w["mode"], tags)
     ids, pos, loc = w["input_ids"].tolist(), w["positions"].tolist(), w["out_cache_loc"].tolist()
     stamped = 0
     if w["stamp"]:
@@ -162,12 +172,12 @@ def expected(w: dict):
                                                plan["seed"][:bs], w["tag"], exp, lut)
         rows += stamp_rows
     elif sources:
-        _, words = ref.fingerprint([ref.translate(s, lut) for s in loc], sources, w["mode"], words, record=True)
-    return words, rows, checked, stamped
+        _, words, tags = ref.fingerprint([ref.translate(s, lut) for s in loc], sources, w["mode"], words, True, tags)
+    return words, tags, rows, checked, stamped
 
 
 def check_all(w: dict, split: int | None = None) -> list[list[int]]:
-    words, rows, checked, stamped = expected(w)
+    words, tags, rows, checked, stamped = expected(w)
     want_stats = w["stats"].clone()
     want_stats[w["tag"], STAT_LAUNCHES] += 1
     want_stats[w["tag"], STAT_CHECKED] += checked
@@ -178,6 +188,7 @@ def check_all(w: dict, split: int | None = None) -> list[list[int]]:
                     rows)
         assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
         assert_same(f"canary [{backend.value}]", words_of(args["canary"]), words)
+        assert_same(f"side words [{backend.value}]", args["source_tags"], tags)
     return rows
 
 
@@ -230,7 +241,7 @@ def test_one_workspace_serves_many_launches():
     for k in range(3):
         w = make_world(gen, [5, 9, 2], [1, 1300, 4], mode=FingerprintMode.NONE, with_truth=False, corrupt=0.1,
                        lut=False, window=0, stamp=True, tag=0)
-        words, rows, _, _ = expected(w)
+        words, _, rows, _, _ = expected(w)
         args, _ = run_op(check_forward, Backend.TRITON, **w, workspace=ws)
         assert_same("canary", words_of(args["canary"]), words)
         assert ws.sync.tolist() == [0, 0, 0, k + 1]
@@ -248,7 +259,7 @@ def test_duplicate_write_targets_are_named_at_head(lut):
                        lut=lut, window=0, stamp=True, tag=0)
         if dup:
             w["out_cache_loc"][[3, 1200]] = w["out_cache_loc"][[0, 2]]  # B's first token onto A's, C's 1195th onto B's
-        _, rows, _, _ = expected(w)
+        _, _, rows, _, _ = expected(w)
         assert len(rows) == (2 if dup else 0)
         assert all(r[7] == int(Reason.WRITE_CONFLICT) for r in rows)
         for backend in WITH_NUMBA:

@@ -56,6 +56,8 @@ big = torch.zeros(64, dtype=torch.int64)
      "state buffers ring and ring_counter share memory"),
     (dict(workspaces=(Workspace.allocate(1, 1),)), InputError, "holds 1 workspaces, expected 0 or 2"),
     (dict(workspaces=("a", "b")), InputTypeError, "state.workspaces[0] must be a Workspace, got str"),
+    (dict(source_tags=torch.zeros(7, dtype=torch.int64)), InputError, "state.source_tags length 7 != num_slots"),
+    (dict(source_tags=torch.zeros(8, dtype=torch.int32)), InputTypeError, "state.source_tags dtype int32 != int64"),
 ])
 def test_construction_errors_name_the_buffer(change, exc, fragment):
     with pytest.raises(exc) as info:

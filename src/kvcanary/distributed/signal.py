@@ -18,7 +18,17 @@ from __future__ import annotations
 import torch
 
 from kvcanary.core.hashing import splitmix64_torch, to_signed
-from kvcanary.core.record import CHAIN, COL_REASONS, COL_TAG, POSITION, TOKEN, LaunchPoint, Reason, record_words
+from kvcanary.core.record import (
+    CHAIN,
+    COL_REASONS,
+    COL_TAG,
+    LAUNCH_TAG_MASK,
+    POSITION,
+    TOKEN,
+    LaunchPoint,
+    Reason,
+    record_words,
+)
 
 ROWS, CODE, DIGEST, STEP = range(4)
 SIGNAL_WIDTH = 4
@@ -76,7 +86,7 @@ class RingSummary:
             if last <= first:
                 return rows, torch.zeros(1, dtype=torch.int64)
             ring = self.ring[first:last]
-        codes = ring[:, COL_REASONS] | (1 << (POINT_SHIFT + ring[:, COL_TAG].clamp(min=0) // 4))
+        codes = ring[:, COL_REASONS] | (1 << (POINT_SHIFT + (ring[:, COL_TAG].clamp(min=0) & LAUNCH_TAG_MASK) // 4))
         if self.masked:
             codes = torch.where((self._index >= lo) & (self._index < hi), codes, 0)
         present = ((codes[:, None] >> self._bits) & 1).amax(0)

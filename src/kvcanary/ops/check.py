@@ -64,6 +64,7 @@ from kvcanary.ops.fingerprint import (
     block_words,
     fingerprint,
     fold_sources,
+    source_halves,
     source_words,
     validate_meta,
     validate_sources,
@@ -190,7 +191,8 @@ def _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_p
 
 @triton.jit
 def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                    marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r, s, split, rows,
+                    marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves, r, s,
+                    split, rows,
                     max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
                     HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_W: tl.constexpr, MARK: tl.constexpr):
@@ -225,9 +227,9 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         if HAS_TRUTH:
             known = m & (p < tlen) & (p < truth_width)
             etok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1).to(tl.int64)
-        checked += check_entries(words_ptr, slot, pred, p, etok, entry, tl.zeros_like(p) + row, m, num_slots,
-                                 ring_ptr, counter_ptr, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                                 NUM_SOURCES, BLOCK, BLOCK_W)
+        checked += check_entries(words_ptr, tags_ptr, slot, pred, p, etok, entry, tl.zeros_like(p) + row, m,
+                                 num_slots, ring_ptr, counter_ptr, ring_cap, tag, halves, w0_ptr, w1_ptr, w2_ptr,
+                                 w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
 
 
@@ -273,7 +275,8 @@ def _look_back(sum_ptr, flag_ptr, b, epoch4, max_spins):
 def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
                  marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr,
                  w0_ptr, w1_ptr,
-                 w2_ptr, w3_ptr, meta_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride, truth_width,
+                 w2_ptr, w3_ptr, meta_ptr, tags_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride,
+                 truth_width,
                  num_slots, ring_cap, tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
                  NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """HEAD: stamp written tokens [w*BLOCK, (w+1)*BLOCK) (``stamp`` with ``gather``'s expected
@@ -343,17 +346,19 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
             lc = tc < n
             slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
             ok = lc & (slot > 0) & (slot < num_slots)
-            h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
+            h, tags = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
             tl.store(words_ptr + slot * 4 + 3, h.to(tl.int64, bitcast=True), mask=ok)
+            tl.store(tags_ptr + slot, tags.to(tl.int64, bitcast=True), mask=ok)
 
 
 # every integer argument varies with the batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
                                "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid",
-                               "max_spins", "n_held"])
+                               "max_spins", "n_held", "halves"])
 def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
                   pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
-                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows,
+                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
+                  n, bs, rows,
                   max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, split,
                   n_verify, grid, max_spins, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
                   HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
@@ -378,7 +383,8 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
     elif ticket <= n_verify:
         v = ticket - 1
         _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                        marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, v // split, v % split,
+                        marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
+                        v // split, v % split,
                         split, rows,
                         max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
                         HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W, STAMP)
@@ -394,7 +400,8 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
             _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
                          marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr,
                          err_ptr, w0_ptr,
-                         w1_ptr, w2_ptr, w3_ptr, meta_ptr, ticket - 1 - n_verify, epoch4, max_spins, n, bs, rows,
+                         w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, ticket - 1 - n_verify, epoch4, max_spins, n,
+                         bs, rows,
                          lut_len, truth_stride, truth_width, num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH,
                          NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
         else:  # the verifiers never all reported (or more did than exist): a stale workspace
@@ -480,7 +487,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         workspace.sync, workspace.write_offsets, workspace.seed, workspace.block_sum, workspace.block_flag,
         marks.words if stamp else workspace.sync, marks.epoch if stamp else workspace.sync,
         held if stamp and held is not None else workspace.sync, *source_words(fp_sources, workspace.seed),
-        meta if meta is not None else workspace.sync,
+        meta if meta is not None else workspace.sync, state.source_tags, source_halves(fp_sources),
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
         held.shape[0] if stamp and held is not None else 0,

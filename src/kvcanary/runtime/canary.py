@@ -8,10 +8,11 @@
 HEAD: scatter the token truth, build the plan, verify the prefix (identity), stamp the written
 slots. TAIL: verify the prefix again with fingerprints, record the written slots' fingerprints.
 SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
-carry their records: ``export_rows`` / ``import_rows``, and ``offload`` / ``load_back`` keep a
-host mirror for a host tier (``attach_host_tier`` first; load-back is verified at once). Violations
-are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
-``slots_freed`` so that a slot's incidents close when it is reused.
+carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: the record and its
+source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
+(``attach_host_tier`` first; load-back is verified at once). Violations are grouped into
+incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
+slot's incidents close when it is reused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import (
     RECORD_BYTES,
+    ROW_BYTES,
     STAT_CHECKED,
     STAT_STAMPED,
     LaunchPoint,
@@ -144,7 +146,8 @@ class Canary:
         self.fused = self.backend is not None
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
-        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats)
+        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
+                                 tuple((src.layer, src.half) for src in self.sources))
         self._error_pending: list[tuple[torch.Tensor, object]] = []  # (host copy, event) of the error flags, CUDA
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
@@ -325,15 +328,29 @@ class Canary:
         return n
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """The records of ``slots`` (uint8[n, 32]) to travel with their K/V."""
-        records = self.state.records
-        return records[slots.to(records.device)].clone()
+        """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
+        source-tag side word) to travel with their K/V."""
+        index = slots.to(self.state.device)
+        tags = self.state.source_tags[index].view(torch.uint8).view(-1, ROW_BYTES - RECORD_BYTES)
+        return torch.cat([self.state.records[index], tags], dim=1)
+
+    def land_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows of ``export_rows`` into ``slots`` (records and side words), unverified.
+        Raises KVCanaryError for rows that are not uint8[len(slots), ROW_BYTES]."""
+        n = slots.numel()
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (n, ROW_BYTES):
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise KVCanaryError(f"rows must be uint8[{n}, {ROW_BYTES}] (one export_rows row per slot), got {got}; "
+                                "pass what export_rows gave")
+        dev = self.state.device
+        index, rows = slots.to(dev), rows.to(dev)
+        self.state.records[index] = rows[:, :RECORD_BYTES]
+        self.state.source_tags[index] = rows[:, RECORD_BYTES:].contiguous().view(torch.int64).view(-1)
 
     def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write records that travelled with K/V into ``slots`` (the stamps are content-only, so
-        they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
-        records = self.state.records
-        records[slots.to(records.device)] = rows.to(records.device)
+        """Write rows that travelled with K/V (``export_rows``) into ``slots`` (the stamps are
+        content-only, so they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
+        self.land_rows(slots, rows)
         self.incidents.note(self._meta.step, slots, "rewritten")
         self.verify_landed(slots)
 
@@ -353,7 +370,7 @@ class Canary:
         before the first ``offload``)."""
         if type(num_rows) is not int or num_rows < 1:
             raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
-        self.host_rows = torch.zeros(num_rows, RECORD_BYTES, dtype=torch.uint8,
+        self.host_rows = torch.zeros(num_rows, ROW_BYTES, dtype=torch.uint8,
                                      pin_memory=self.state.records.is_cuda)
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:

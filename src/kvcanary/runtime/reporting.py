@@ -14,7 +14,9 @@ The violation line is frozen; parse it with ``VIOLATION_RE``::
     expected_token=-1 stored=0x1f... expected=0x9a... requests=7@5,9@5
 
 (one line; ``requests`` lists request@position pairs that read the slot, ``cache`` for an idle
-prefix-cache slot, empty when no owner is known).
+prefix-cache slot, empty when no owner is known). For a fingerprint failure the tag's half is
+that of the first KV source whose part of the fingerprint differs, and ``Violation.sources``
+lists every differing source's (layer, half); the JSON carries them as ``layer`` and ``sources``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
+from kvcanary.core.record import (
+    Half,
+    LaunchPoint,
+    LaunchTag,
+    PoolKind,
+    Reason,
+    ViolationRow,
+    decode_rows,
+    format_reasons,
+)
 
 VIOLATION_RE = re.compile(
     r"^kv_canary violation: step=(?P<step>-?\d+) tag=(?P<tag>[A-Z]+\.[A-Z]+\.[KV]) reason=(?P<reason>[a-z_+]+) "
@@ -62,10 +73,16 @@ class Violation:
     stored_value: int
     expected_value: int
     owners: tuple[tuple[object, int], ...] = ()  # (request id or "cache", position)
+    sources: tuple[tuple[int, Half], ...] = ()  # (layer, half) of each KV source whose fingerprint part differs
 
     @property
     def point(self) -> LaunchPoint:
         return self.tag.point
+
+    @property
+    def layer(self) -> int | None:
+        """The layer of the first differing KV source; None when no source is named."""
+        return self.sources[0][0] if self.sources else None
 
     @property
     def requests(self) -> tuple:
@@ -85,7 +102,8 @@ class Violation:
                 "pool": self.tag.pool.name, "reasons": Reason.names(self.reasons), "slot": self.slot,
                 "position": self.position, "token": self.token, "expected_token": self.expected_token,
                 "stored_value": self.stored_value, "expected_value": self.expected_value,
-                "requests": [{"request": r, "position": p} for r, p in self.owners]}
+                "requests": [{"request": r, "position": p} for r, p in self.owners], "layer": self.layer,
+                "sources": [{"layer": layer, "half": half.name} for layer, half in self.sources]}
 
 
 @dataclass
@@ -151,8 +169,10 @@ class _Snapshot:
 class Reporter:
     """Snapshots the ring counter and stats each step and decodes new rows one step later."""
 
-    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor):
+    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
+                 sources: tuple[tuple[int, Half], ...] = ()):
         self.ring, self.counter, self.stats = ring, counter, stats
+        self.sources = tuple(sources)  # (layer, half) of the pool's KV sources, in the kernels' order
         self.is_cuda = ring.is_cuda
         self.lag = 1 if self.is_cuda else 0
         self._pending: deque[_Snapshot] = deque()
@@ -213,7 +233,12 @@ class Reporter:
         elif total >= cap:
             self._reset_next = True
         return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
-                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r)) for r in rows]
+                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r),
+                          self.differing_sources(r)) for r in rows]
+
+    def differing_sources(self, row: ViolationRow) -> tuple[tuple[int, Half], ...]:
+        """(layer, half) of the sources named by the row's source mask (unknown indices skipped)."""
+        return tuple(self.sources[i] for i in row.source_indices if i < len(self.sources))
 
     @property
     def dropped(self) -> int:
