@@ -166,10 +166,10 @@ def mark_lanes(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: 
 
 
 @triton.jit
-def landed_lanes(slot, ok, pos, ids, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, half_ptr, ring_ptr, counter_ptr,
-                 ring_cap, tag, NUM_SOURCES: tl.constexpr):
+def landed_lanes(slot, ok, pos, ids, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr, counter_ptr, ring_cap, tag,
+                 NUM_SOURCES: tl.constexpr, HALVES: tl.constexpr):
     """check_writes_landed on a block of translated slots; returns ``landed`` per lane.
-    ``half_ptr``: int64[4], the half of each source."""
+    ``HALVES``: bit i = the half of source i (``source_halves``)."""
     s = tl.where(ok, slot, 0)
     pattern = mark_words(s)
     col = tl.arange(0, 4)[None, :]
@@ -187,7 +187,7 @@ def landed_lanes(slot, ok, pos, ids, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, h
         got = tl.load(ptr + _row_base(s, meta_ptr, i)[:, None] + col, mask=ok[:, None], other=0)
         hit = ok & (tl.sum((got == pattern).to(tl.int32), axis=1) == 4)
         bits = bits | (hit.to(tl.int64) << i)
-        first_half = tl.where(hit, tl.load(half_ptr + i), first_half)
+        first_half = tl.where(hit, (HALVES >> i) & 1, first_half)
     missed = bits != 0
     for h in tl.static_range(2):
         append_violations(ring_ptr, counter_ptr, ring_cap, missed & (first_half == h), (tag - tag % 2) + h, s, pos,
@@ -206,23 +206,23 @@ def _mark_kernel(loc_ptr, lut_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, 
 
 
 @triton.jit
-def _landed_kernel(loc_ptr, ids_ptr, pos_ptr, lut_ptr, out_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, half_ptr,
-                   ring_ptr, counter_ptr, n, num_slots, lut_len, ring_cap, tag, HAS_LUT: tl.constexpr,
-                   NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr):
+def _landed_kernel(loc_ptr, ids_ptr, pos_ptr, lut_ptr, out_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr,
+                   counter_ptr, n, num_slots, lut_len, ring_cap, tag, HAS_LUT: tl.constexpr, NUM_SOURCES: tl.constexpr,
+                   HALVES: tl.constexpr, BLOCK: tl.constexpr):
     """Program p checks the slots of written tokens [p*BLOCK, (p+1)*BLOCK)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     live = t < n
     slot = _translate(tl.load(loc_ptr + t, mask=live, other=0), lut_ptr, lut_len, HAS_LUT)
     ok = live & (slot > 0) & (slot < num_slots)
     landed = landed_lanes(slot, ok, tl.load(pos_ptr + t, mask=live, other=0), tl.load(ids_ptr + t, mask=live, other=0),
-                          w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, half_ptr, ring_ptr, counter_ptr, ring_cap, tag,
-                          NUM_SOURCES)
+                          w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr, counter_ptr, ring_cap, tag, NUM_SOURCES,
+                          HALVES)
     tl.store(out_ptr + t, landed.to(tl.int8), mask=live)
 
 
-def source_halves(sources, device) -> torch.Tensor:
-    """int64[4]: the half of each source (0 past the last), the table ``landed_lanes`` reads."""
-    return torch.tensor([int(s.half) for s in sources] + [0] * (4 - len(sources)), dtype=torch.int64, device=device)
+def source_halves(sources) -> int:
+    """The halves of the sources as one int, bit i = ``sources[i].half`` (``landed_lanes``' HALVES)."""
+    return sum(int(s.half) << i for i, s in enumerate(sources))
 
 
 def _launch_args(sources, lut, fallback, device):
@@ -280,7 +280,7 @@ def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, inpu
             check_contiguous(name, t)
     lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device)
     _landed_kernel[(max(cdiv(n, BLOCK), 1),)](
-        out_cache_loc, input_ids, positions, lut_t, out.view(torch.int8), *words, meta, source_halves(sources, device),
-        state.ring, state.ring_counter, n, state.num_slots, lut_len, state.ring_capacity, tag,
-        HAS_LUT=lut is not None, NUM_SOURCES=len(sources), BLOCK=BLOCK)
+        out_cache_loc, input_ids, positions, lut_t, out.view(torch.int8), *words, meta, state.ring, state.ring_counter,
+        n, state.num_slots, lut_len, state.ring_capacity, tag, HAS_LUT=lut is not None, NUM_SOURCES=len(sources),
+        HALVES=source_halves(sources), BLOCK=BLOCK)
     return out
