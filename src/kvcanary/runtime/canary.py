@@ -78,9 +78,10 @@ class Recovery:
     earliest step whose checks reported it. Every slot a forward reads is verified at its HEAD
     and again at its TAIL, write targets are checked at HEAD (conflicts, bad entries) and at TAIL
     (written at all: MISSED_WRITE; then fingerprinted), so damage is reported by the first
-    forward that reads or writes it, in that forward's own report. On the CPU that report is read before the step samples (nothing to
-    drop); on CUDA one step late, so an engine holds each token back until the report of its
-    step was read (``kvcanary.engine.delivery``). Bad entries name no slot to quarantine."""
+    forward that reads or writes it, in that forward's own report. On the CPU that report is
+    read before the step samples (nothing to drop); on CUDA one step late, so an engine holds
+    each token back until the report of its step was read (``kvcanary.engine.delivery``). Bad
+    entries name no slot to quarantine."""
 
     requests: tuple
     slots: tuple[int, ...]
