@@ -26,7 +26,8 @@ from kvcanary.core.record import (
 def test_reason_bits_are_the_documented_ones():
     assert [(r.name, r.value) for r in Reason] == [("CHAIN", 1), ("POSITION", 2), ("FINGERPRINT", 4),
                                                    ("WRITE_TOKEN", 8), ("WRITE_POSITION", 16), ("VERIFY_TOKEN", 32),
-                                                   ("BAD_ENTRY", 64), ("WRITE_CONFLICT", 128), ("READ_CONFLICT", 256)]
+                                                   ("BAD_ENTRY", 64), ("WRITE_CONFLICT", 128), ("READ_CONFLICT", 256),
+                                                   ("MISSED_WRITE", 512)]
 
 
 def test_reason_names_and_parse_round_trip():

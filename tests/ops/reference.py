@@ -277,3 +277,53 @@ def check_writes(plan: dict[str, list[int]], out_cache_loc: list[int], input_ids
             if reasons:
                 rows.append([tag, slot, positions[t], input_ids[t], -1, row, other, reasons])
     return rows
+
+
+# --- mark_writes / check_writes_landed -------------------------------------------------------
+
+MARK_SEED = 0x6D697373696E6721  # "missing!"
+
+
+def mark(slot: int) -> list[int]:
+    """The four int32 words (signed) HEAD writes into the first 16 bytes of a write target's row."""
+    out = []
+    for k in range(2):
+        m = splitmix64(((slot ^ MARK_SEED) + k * GOLDEN) & MASK64)
+        out += [m & 0xFFFFFFFF, m >> 32]
+    return [to_int32(w) for w in out]
+
+
+def _row_start(src: RefSource, slot: int) -> int:
+    return ((slot // src.page_size) * src.page_stride_bytes + (slot % src.page_size) * src.bytes_per_token) // 4
+
+
+def mark_writes(sources: list[RefSource], out_cache_loc: list[int], num_slots: int, lut: list[int] | None = None
+                ) -> list[list[int]]:
+    """The sources' words after HEAD marked every valid write target."""
+    out = [list(src.words) for src in sources]
+    for loc in out_cache_loc:
+        slot = translate(loc, lut) if lut is not None else loc
+        if 0 < slot < num_slots:
+            for words, src in zip(out, sources, strict=True):
+                start = _row_start(src, slot)
+                words[start: start + 4] = mark(slot)
+    return out
+
+
+def check_writes_landed(sources: list[RefSource], halves: list[int], out_cache_loc: list[int], input_ids: list[int],
+                        positions: list[int], num_slots: int, tag: int, lut: list[int] | None = None
+                        ) -> tuple[list[Row], list[bool]]:
+    """(MISSED_WRITE rows, landed per token)."""
+    rows, landed = [], []
+    for loc, tok, pos in zip(out_cache_loc, input_ids, positions, strict=True):
+        slot = translate(loc, lut) if lut is not None else loc
+        bits = 0
+        if 0 < slot < num_slots:
+            for i, src in enumerate(sources):
+                start = _row_start(src, slot)
+                bits |= (src.words[start: start + 4] == mark(slot)) << i
+        landed.append(bits == 0)
+        if bits:
+            first = (bits & -bits).bit_length() - 1
+            rows.append([(tag & ~1) | halves[first], slot, pos, tok, -1, bits, 0, int(Reason.MISSED_WRITE)])
+    return rows, landed

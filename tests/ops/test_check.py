@@ -133,7 +133,15 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     held = [int(table[s]) for s in loc_t.tolist()
             if 0 < s < num_slots and float(torch.rand(1, generator=gen)) < corrupt]
     held += [int(table[s]) for s in free[:2]]
-    ring, counter = new_ring(sum(prefix) + 2 * len(ids) + 3)
+    # writes that did not happen: at TAIL, some targets still hold HEAD's mark in some source
+    if sources and not stamp:
+        for loc in loc_t.tolist():
+            slot = int(table[loc]) if 0 <= loc < num_slots else -1
+            for src in sources:
+                if 0 < slot < num_slots and float(torch.rand(1, generator=gen)) < corrupt:
+                    start = ((slot // src.page_size) * src.page_stride + (slot % src.page_size) * src.bytes_per_token)
+                    src.words[start // 4: start // 4 + 4] = torch.tensor(ref.mark(slot), dtype=torch.int32)
+    ring, counter = new_ring(sum(prefix) + 3 * len(ids) + 3)
     counter += int(torch.randint(0, 3, (1,), generator=gen))
     stats = torch.randint(0, 50, new_stats().shape, generator=gen)
     return dict(canary=canary, req_pool_indices=rpi, prefix_lens=torch.tensor(prefix, dtype=torch.int64),
@@ -146,7 +154,7 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
 
 
 def expected(w: dict):
-    """(records, side words, ring rows, checked, stamped) of the sequence of reference ops."""
+    """(records, side words, ring rows, checked, stamped, source words) of the sequence of reference ops."""
     bs = w["req_pool_indices"].shape[0]
     rpi, prefix, extend = w["req_pool_indices"].tolist(), w["prefix_lens"].tolist(), w["extend_lens"].tolist()
     rtt, max_ctx = w["req_to_token"].tolist(), w["req_to_token"].shape[1]
@@ -159,7 +167,7 @@ def expected(w: dict):
                           truth, max_ctx, tlens, lut, w["window"])
     sources = [ref.RefSource.of(s) for s in w["sources"]]
     words, tags = words_of(w["canary"]), w["source_tags"].tolist()
-    rows, checked = ref.verify(words, plan, w["tag"], sources, w["mode"], tags)
+    rows, checked = ref.verify(words, plan, w["tag"], [] if w["stamp"] else sources, w["mode"], tags)
     ids, pos, loc = w["input_ids"].tolist(), w["positions"].tolist(), w["out_cache_loc"].tolist()
     stamped = 0
     if w["stamp"]:
@@ -171,13 +179,20 @@ def expected(w: dict):
         words, stamp_rows, stamped = ref.stamp(words, loc, ids, pos, rpi, prefix, plan["write_offsets"][: bs + 1],
                                                plan["seed"][:bs], w["tag"], exp, lut)
         rows += stamp_rows
-    elif sources:
-        _, words, tags = ref.fingerprint([ref.translate(s, lut) for s in loc], sources, w["mode"], words, True, tags)
-    return words, tags, rows, checked, stamped
+        source_words = ref.mark_writes(sources, loc, len(words), lut)
+        return words, tags, rows, checked, stamped, source_words
+    source_words = [s.words for s in sources]
+    if sources:
+        missed, landed = ref.check_writes_landed(sources, [int(s.half) for s in w["sources"]], loc, ids, pos,
+                                                 len(words), w["tag"], lut)
+        rows += missed
+        slots = [ref.translate(s, lut) if ok else 0 for s, ok in zip(loc, landed, strict=True)]
+        _, words, tags = ref.fingerprint(slots, sources, w["mode"], words, True, tags)
+    return words, tags, rows, checked, stamped, source_words
 
 
 def check_all(w: dict, split: int | None = None) -> list[list[int]]:
-    words, tags, rows, checked, stamped = expected(w)
+    words, tags, rows, checked, stamped, source_words = expected(w)
     want_stats = w["stats"].clone()
     want_stats[w["tag"], STAT_LAUNCHES] += 1
     want_stats[w["tag"], STAT_CHECKED] += checked
@@ -189,6 +204,8 @@ def check_all(w: dict, split: int | None = None) -> list[list[int]]:
         assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
         assert_same(f"canary [{backend.value}]", words_of(args["canary"]), words)
         assert_same(f"side words [{backend.value}]", args["source_tags"], tags)
+        for i, (src, want) in enumerate(zip(args["sources"], source_words, strict=True)):
+            assert_same(f"source {i} [{backend.value}]", src.words, want)
     return rows
 
 
@@ -241,7 +258,7 @@ def test_one_workspace_serves_many_launches():
     for k in range(3):
         w = make_world(gen, [5, 9, 2], [1, 1300, 4], mode=FingerprintMode.NONE, with_truth=False, corrupt=0.1,
                        lut=False, window=0, stamp=True, tag=0)
-        words, _, rows, _, _ = expected(w)
+        words, _, rows, _, _, _ = expected(w)
         args, _ = run_op(check_forward, Backend.TRITON, **w, workspace=ws)
         assert_same("canary", words_of(args["canary"]), words)
         assert ws.sync.tolist() == [0, 0, 0, k + 1]
@@ -259,7 +276,7 @@ def test_duplicate_write_targets_are_named_at_head(lut):
                        lut=lut, window=0, stamp=True, tag=0)
         if dup:
             w["out_cache_loc"][[3, 1200]] = w["out_cache_loc"][[0, 2]]  # B's first token onto A's, C's 1195th onto B's
-        _, _, rows, _, _ = expected(w)
+        _, _, rows, _, _, _ = expected(w)
         assert len(rows) == (2 if dup else 0)
         assert all(r[7] == int(Reason.WRITE_CONFLICT) for r in rows)
         for backend in WITH_NUMBA:
@@ -311,7 +328,8 @@ def test_a_batch_changed_after_its_head_is_validated_again(backend):
     """HEAD and TAIL of one forward validate its batch once; a tensor changed in place since (or
     replaced) is checked again, so the bad value is refused before anything is written."""
     w = valid_world()
-    state = DeviceState(w.pop("canary"), w.pop("ring"), w.pop("ring_counter"), w.pop("stats"))
+    state = DeviceState(w.pop("canary"), w.pop("ring"), w.pop("ring_counter"), w.pop("stats"),
+                        source_tags=w.pop("source_tags"))
     check_forward(state=state, **w, backend=backend)
     check_forward(state=state, **(w | dict(stamp=False)), backend=backend)  # the same batch: passes again
     before = state.records.clone()

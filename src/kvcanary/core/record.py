@@ -55,6 +55,7 @@ class Reason(enum.IntFlag):
     BAD_ENTRY = 64  # a page-table / window-table entry or a write target that resolves to no slot
     WRITE_CONFLICT = 128  # two tokens of one forward write the same slot
     READ_CONFLICT = 256  # a forward writes a slot a request of the batch reads (or the prefix cache holds)
+    MISSED_WRITE = 512  # a write target still holds HEAD's mark at TAIL: the forward did not write it
 
     @classmethod
     def names(cls, bits: int) -> list[str]:
@@ -149,6 +150,8 @@ class ViolationRow:
     |                | table / out_cache_loc)   |                 | written token | row          | resolved to       |
     | WRITE_CONFLICT | the slot                 | written position| written token | writer's row | first writer's row|
     | READ_CONFLICT  | the slot                 | written position| written token | writer's row | first reader's row|
+    | MISSED_WRITE   | the slot (translated)    | written position| written token | sources still| 0                 |
+    |                |                          |                 |               | marked (bits)|                   |
 
     BAD_ENTRY: the entry resolves to the padding slot 0, a negative slot, a slot outside the
     pool, or (window pools) a full slot the window table does not map. ``expected_token`` is the
@@ -156,6 +159,10 @@ class ViolationRow:
 
     ``sources_mask`` (tag column >> 8): for a FINGERPRINT failure, bit i is set when source i's
     part of the fingerprint differs from the slot's side word; 0 for every other row.
+
+    MISSED_WRITE (TAIL, ``ops.landed``): the first 16 bytes of the slot's row still hold the mark
+    HEAD wrote in the sources of bit i of ``stored_value`` (bit i = the i-th covered source); the
+    tag's half is that of the first such source; ``expected_token`` is -1.
     """
 
     tag: LaunchTag

@@ -38,19 +38,22 @@ from kvcanary.core.hashing import ANCHOR, GOLDEN, MIX1, MIX2, TOKEN_SALT
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.fingerprint import FP_SEED
+from kvcanary.ops.landed import MARK_SEED
 
 log = logging.getLogger("kvcanary")
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
 
-_M1, _M2, _GOLDEN, _SALT, _FP_SEED = (np.uint64(x) for x in (MIX1, MIX2, GOLDEN, TOKEN_SALT, FP_SEED))
+_M1, _M2, _GOLDEN, _SALT, _FP_SEED, _MARK_SEED = (np.uint64(x) for x in (MIX1, MIX2, GOLDEN, TOKEN_SALT, FP_SEED,
+                                                                         MARK_SEED))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ANCHOR_S = np.int64(ANCHOR - (1 << 64) if ANCHOR >> 63 else ANCHOR)
 _LOW32 = np.uint64(0xFFFFFFFF)
+_LOW16 = np.uint64(0xFFFF)
 _UNMARKED = np.int64(2**63 - 1)
 # reason bits (core.record.Reason)
 _CHAIN, _POSITION, _FINGERPRINT, _WRITE_TOKEN, _WRITE_POSITION, _VERIFY_TOKEN = 1, 2, 4, 8, 16, 32
-_BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT = 64, 128, 256
+_BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT, _MISSED_WRITE = 64, 128, 256, 512
 # flags of the check kernel
 _STAMP, _TRUTH, _LUT, _HELD = 1, 2, 4, 8
 
@@ -74,8 +77,9 @@ def _translate(s, lut, has_lut):
     return np.int64(-1) if s == 0 else np.int64(s)
 
 
-def _fingerprints(words, slots, n, out, kv0, kv1, kv2, kv3, meta, num_sources):
-    """``fingerprint_torch`` of ``slots[:n]`` into ``out`` (slots outside (0, num_slots): left as they are).
+def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sources):
+    """``fingerprint_torch`` of ``slots[:n]`` into ``out`` and their side words into ``tags``
+    (slots outside (0, num_slots): left as they are).
     One call for all entries: every array passed to a called function costs a reference-count
     update, so the arrays cross once, not once per entry."""
     num_slots = words.shape[0]
@@ -84,6 +88,7 @@ def _fingerprints(words, slots, n, out, kv0, kv1, kv2, kv3, meta, num_sources):
         if s <= 0 or s >= num_slots:
             continue
         total = np.uint64(0)
+        side = np.uint64(0)
         for i in range(num_sources):
             kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
             page, stride_w, token_w, n_words = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
@@ -92,8 +97,11 @@ def _fingerprints(words, slots, n, out, kv0, kv1, kv2, kv3, meta, num_sources):
             acc = np.uint64(0)
             for w in range(n_words):
                 acc += (np.uint64(kv[base + w]) & _LOW32) * np.uint64(2 * w + 1)
-            total += _mix(acc * _GOLDEN + np.uint64(i + 1) * _GOLDEN)
+            part = _mix(acc * _GOLDEN + np.uint64(i + 1) * _GOLDEN)
+            total += part
+            side |= (part & _LOW16) << np.uint64(16 * i)
         out[e] = np.int64(_mix(total ^ _FP_SEED))
+        tags[e] = np.int64(side)
 
 
 def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
@@ -106,14 +114,18 @@ def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
 
 
 def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2,
-                    kv3, meta, num_sources):
+                    kv3, meta, num_sources, src_tags, halves):
     """``verify._verify_torch`` of entries [0, m): one launch, the checked count, ring rows in entry
-    order. The loop reads arrays itself and calls only scalar helpers (see ``_fingerprints``)."""
+    order; a FINGERPRINT row's tag names the sources whose part differs from the side word in
+    ``src_tags`` (``fingerprint.mismatch_tag_torch``; ``halves``: bit i = source i's half). The
+    loop reads arrays itself and calls only scalar helpers (see ``_fingerprints``)."""
     num_slots = words.shape[0]
     stats[tag, 0] += 1
-    fps = np.zeros(m if num_sources > 0 else 0, dtype=np.int64)
+    k = m if num_sources > 0 else 0
+    fps = np.zeros(k, dtype=np.int64)
+    exp_tags = np.zeros(k, dtype=np.int64)
     if num_sources > 0:
-        _fingerprints(words, slot, m, fps, kv0, kv1, kv2, kv3, meta, num_sources)
+        _fingerprints(words, slot, m, fps, exp_tags, kv0, kv1, kv2, kv3, meta, num_sources)
     checked = 0
     for e in range(m):
         s, q, p, etok = np.int64(slot[e]), np.int64(pred[e]), np.int64(position[e]), np.int64(token[e])
@@ -135,23 +147,35 @@ def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, co
         if chain_bad or pos_bad or fp_bad or tok_bad:
             reasons = (np.int64(chain_bad) * _CHAIN + np.int64(pos_bad) * _POSITION
                        + np.int64(fp_bad) * _FINGERPRINT + np.int64(tok_bad) * _VERIFY_TOKEN)
+            row_tag = np.int64(tag)
+            if fp_bad:  # the half of the first source whose part differs (the first source's when none)
+                diff = src_tags[s] ^ exp_tags[e]
+                mask = np.int64(0)
+                half = np.int64(halves & 1)
+                for i in range(num_sources - 1, -1, -1):
+                    if (diff >> (16 * i)) & 0xFFFF != 0:
+                        mask |= np.int64(1) << i
+                        half = np.int64((halves >> i) & 1)
+                row_tag = (np.int64(tag) & ~np.int64(1)) | half | (mask << 8)
             if chain_bad:
-                _append(ring, counter, tag, s, spos, tok, etok, chain, exp_chain, reasons)
+                _append(ring, counter, row_tag, s, spos, tok, etok, chain, exp_chain, reasons)
             elif pos_bad:
-                _append(ring, counter, tag, s, spos, tok, etok, spos, p, reasons)
+                _append(ring, counter, row_tag, s, spos, tok, etok, spos, p, reasons)
             elif fp_bad:
-                _append(ring, counter, tag, s, spos, tok, etok, words[s, 3], fps[e], reasons)
+                _append(ring, counter, row_tag, s, spos, tok, etok, words[s, 3], fps[e], reasons)
             else:
-                _append(ring, counter, tag, s, spos, tok, etok, tok, etok, reasons)
+                _append(ring, counter, row_tag, s, spos, tok, etok, tok, etok, reasons)
     stats[tag, 1] += checked
 
 
 def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, held, scratch, ring, counter, stats,
-           kv0, kv1, kv2, kv3, meta, num_sources, window, tag, flags):
+           kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
     """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD.
-    Builds the plan's entries (request after request), verifies them, then HEAD checks the write
-    targets and stamps (every seed read before any write) or TAIL records the written slots'
-    fingerprints. ``scratch``: int64[2, num_slots] all _UNMARKED, left so."""
+    Builds the plan's entries (request after request), verifies them (HEAD: no fingerprints),
+    then HEAD checks the write targets, stamps (every seed read before any write) and marks the
+    targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
+    fingerprints and side words of the others. ``scratch``: int64[2, num_slots] all _UNMARKED,
+    left so."""
     stamp, has_truth, has_lut = (flags & _STAMP) != 0, (flags & _TRUTH) != 0, (flags & _LUT) != 0
     bs = rpi.shape[0]
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
@@ -189,7 +213,7 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
             prev = cur
             e += 1
     _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2, kv3,
-                    meta, num_sources)
+                    meta, 0 if stamp else num_sources, src_tags, halves)
     if stamp:
         woff = np.zeros(bs + 1, dtype=np.int64)  # build_plan's write offsets: clamped extend lengths
         for r in range(bs):
@@ -197,16 +221,54 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
         _writes(words, slot, prow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags)
         _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring, counter, stats, tag,
                has_truth, has_lut)
-    elif num_sources > 0:  # TAIL: record the written slots' fingerprints
+        if num_sources > 0:
+            _marks_io(words.shape[0], ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources, halves,
+                      ring, counter, tag, True)
+    elif num_sources > 0:  # TAIL: the targets still marked, then the fingerprints of those that landed
         n = ids.shape[0]
-        written = np.empty(n, dtype=np.int64)
-        for t in range(n):
-            written[t] = _translate(loc[t], lut, has_lut)
+        written = _marks_io(words.shape[0], ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources,
+                            halves, ring, counter, tag, False)
         fps = np.zeros(n, dtype=np.int64)
-        _fingerprints(words, written, n, fps, kv0, kv1, kv2, kv3, meta, num_sources)
+        side = np.zeros(n, dtype=np.int64)
+        _fingerprints(words, written, n, fps, side, kv0, kv1, kv2, kv3, meta, num_sources)
         for t in range(n):
             if 0 < written[t] < words.shape[0]:
                 words[written[t], 3] = fps[t]
+                src_tags[written[t]] = side[t]
+
+
+def _marks_io(num_slots, ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources, halves, ring, counter,
+              tag, mark):
+    """``landed.mark_writes`` (``mark``) or ``check_writes_landed``: the first four int32 words of
+    each valid target's row in every source get (or are compared with) the slot's mark. Returns
+    the translated slot per token, 0 where it missed (check) or is invalid."""
+    n = ids.shape[0]
+    written = np.zeros(n, dtype=np.int64)
+    for t in range(n):
+        s = _translate(loc[t], lut, has_lut)
+        if not (0 < s < num_slots):
+            continue
+        b = np.uint64(s) ^ _MARK_SEED
+        m0, m1 = _mix(b), _mix(b + _GOLDEN)
+        w0, w1 = np.int32(np.uint32(m0 & _LOW32)), np.int32(np.uint32(m0 >> np.uint64(32)))
+        w2, w3 = np.int32(np.uint32(m1 & _LOW32)), np.int32(np.uint32(m1 >> np.uint64(32)))
+        bits = np.int64(0)
+        first = np.int64(-1)
+        for i in range(num_sources - 1, -1, -1):  # last to first: the first marked source's half stays
+            kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
+            page, stride_w, token_w = meta[i, 0], meta[i, 1], meta[i, 2]
+            base = s * stride_w if page == 1 else (s // page) * stride_w + (s % page) * token_w
+            if mark:
+                kv[base], kv[base + 1], kv[base + 2], kv[base + 3] = w0, w1, w2, w3
+            elif kv[base] == w0 and kv[base + 1] == w1 and kv[base + 2] == w2 and kv[base + 3] == w3:
+                bits |= np.int64(1) << i
+                first = np.int64((halves >> i) & 1)
+        if bits != 0:
+            _append(ring, counter, (np.int64(tag) & ~np.int64(1)) | first, s, pos[t], ids[t], -1, bits, 0,
+                    _MISSED_WRITE)
+        else:
+            written[t] = s
+    return written
 
 
 def _writes(words, eslot, erow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags):
@@ -330,11 +392,11 @@ def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring
 
 
 def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring, counter, stats, kv0, kv1, kv2, kv3,
-            meta, num_sources, tag):
+            meta, src_tags, num_sources, halves, tag):
     """``verify._verify_torch``: the entries below min(count, capacity) of an enabled plan."""
     m = min(max(count[0], 0), slot.shape[0]) if enable[0] != 0 else 0
     _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2, kv3,
-                    meta, num_sources)
+                    meta, num_sources, src_tags, halves)
 
 
 def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens):
@@ -360,15 +422,15 @@ def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens):
 
 _CHECK_SIG = ("void(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int64[:], int64[:], int64[:], "
               "int32[:, :], int64[:], int64[:], int64[:], int64[:, :], int64[:, :], int64[:], int64[:, :], "
-              "int32[:], int32[:], int32[:], int32[:], int64[:, :], int64, int64, int64, int64)")
+              "int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], int64, int64, int64, int64, int64)")
 _VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[:], int32[:], int64[:], int32[:], "
-               "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64, "
-               "int64)")
+               "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], "
+               "int64, int64, int64)")
 _SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean)"
 # inlined: the scalar helpers of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
-_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp")
+_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io")
 _KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
 _compiled: dict[str, object] = {}
 _lock = threading.Lock()
@@ -492,7 +554,8 @@ def _state_arrays(state, sources, meta) -> tuple:
     if len(_state_views) > 64:
         _state_views.clear()
     arrays = (state.records.numpy().view(np.int64), state.ring.numpy(), state.ring_counter.numpy(),
-              state.stats.numpy(), *_kv(sources), meta.numpy() if sources else _DUMMY_I64_2)
+              state.stats.numpy(), *_kv(sources), meta.numpy() if sources else _DUMMY_I64_2,
+              state.source_tags.numpy(), sum(int(src.half) << i for i, src in enumerate(sources)))
     _state_views[id(state)] = (state, meta, words, arrays)
     return arrays
 
@@ -502,22 +565,23 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
     """``check_forward`` on CPU tensors (validated by the caller) through the compiled kernel."""
     flags = (_STAMP if stamp else 0) | (_TRUTH if truth is not None else 0) | (_LUT if lut is not None else 0) \
         | (_HELD if held is not None and stamp else 0)
-    words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np = _state_arrays(state, sources, meta)
+    words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = _state_arrays(state, sources, meta)
     kernel("check")(
         words, rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(),
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
         truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
         _marks(state.num_slots) if stamp else _DUMMY_I64_2, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
-        len(sources), window, tag, flags)
+        src_tags, len(sources), halves, window, tag, flags)
 
 
 def verify(state, plan, tag: int, sources, meta) -> None:
     """``verify`` of a plan on CPU tensors (validated by the caller) through the compiled kernel."""
-    words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np = _state_arrays(state, sources, meta)
+    words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = _state_arrays(state, sources, meta)
     kernel("verify")(
         words, _np(plan.slot), _np(plan.pred), _np(plan.position), _np(plan.token), _np(plan.entry), _np(plan.row),
-        _np(plan.count), _np(plan.enable), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, len(sources), tag)
+        _np(plan.count), _np(plan.enable), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags,
+        len(sources), halves, tag)
 
 
 def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None) -> None:

@@ -1,11 +1,12 @@
 """check_forward: a whole HEAD or TAIL of one forward in a single launch, straight from the page table.
 
 HEAD (``stamp=True``) = ``build_plan`` + ``verify`` + ``check_writes`` + ``gather_expected_tokens`` +
-``stamp``;
-TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``fingerprint(record=True)``
-of the written slots (translated through ``lut``). The results are those of that sequence, byte
-for byte (rows in the ring in any order), with one difference: there is no plan, so nothing
-overflows and every prefix entry is checked whatever its count.
+``stamp`` + ``mark_writes`` into the sources (HEAD reads no K/V: its verify checks no fingerprint);
+TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``check_writes_landed`` +
+``fingerprint(record=True)`` of the written slots that landed (translated through ``lut``). The
+results are those of that sequence, byte for byte (rows in the ring in any order), with one
+difference: there is no plan, so nothing overflows and every prefix entry is checked whatever
+its count.
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
@@ -70,6 +71,7 @@ from kvcanary.ops.fingerprint import (
     validate_sources,
 )
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
@@ -148,7 +150,8 @@ def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth
     plan = Plan.allocate(max(entries, 1), max(bs, 1), canary.device)
     build_plan(req_pool_indices=rpi, prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=rtt, plan=plan,
                truth=truth, truth_lens=truth_lens, lut=lut, window=window, backend=Backend.TORCH)
-    verify(state=state, plan=plan, tag=tag, sources=sources, mode=mode, meta=meta, backend=Backend.TORCH)
+    verify(state=state, plan=plan, tag=tag, sources=() if stamp else sources, mode=mode, meta=meta,
+           backend=Backend.TORCH)
     woff = plan.write_offsets[: bs + 1]
     if stamp:
         check_writes(state=state, plan=plan, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
@@ -161,9 +164,13 @@ def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth
         stamp_op(state=state, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
                  prefix_lens=prefix_lens, write_offsets=woff, seed=plan.seed[:bs], tag=tag, expected_tokens=expected,
                  lut=lut, backend=Backend.TORCH)
+        mark_writes(state=state, out_cache_loc=loc, sources=sources, lut=lut, backend=Backend.TORCH)
     elif sources:
-        fingerprint(slots=_translate_torch(loc, lut), sources=sources, mode=mode, state=state, record=True,
-                    meta=meta, backend=Backend.TORCH)
+        landed = check_writes_landed(state=state, out_cache_loc=loc, input_ids=ids, positions=pos, sources=sources,
+                                     tag=tag, lut=lut, backend=Backend.TORCH)
+        slots = _translate_torch(loc, lut)
+        fingerprint(slots=torch.where(landed, slots, torch.zeros_like(slots)), sources=sources, mode=mode,
+                    state=state, record=True, meta=meta, backend=Backend.TORCH)
 
 
 # --- Triton kernel -------------------------------------------------------------------------------
@@ -278,9 +285,11 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
                  w2_ptr, w3_ptr, meta_ptr, tags_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride,
                  truth_width,
                  num_slots, ring_cap, tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
-                 NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                 NUM_SOURCES: tl.constexpr, HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_W: tl.constexpr):
     """HEAD: stamp written tokens [w*BLOCK, (w+1)*BLOCK) (``stamp`` with ``gather``'s expected
-    tokens); TAIL: record their fingerprints. A look-back that gives up (a stale workspace) raises
+    tokens) and mark their slots in the sources; TAIL: check the marks are gone, then record the
+    fingerprints of the slots that landed. A look-back that gives up (a stale workspace) raises
     the WORKSPACE error flag and leaves its block unstamped and unpublished."""
     block_start = w * BLOCK
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -339,6 +348,9 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
                        ids, bs, num_slots, NBITS)
         stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, loc, slot, row, exp_tok,
                     num_slots, ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
+        if NUM_SOURCES > 0:
+            mark_lanes(slot, live & (slot > 0) & (slot < num_slots), w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                       NUM_SOURCES)
     elif NUM_SOURCES > 0:
         for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
 
@@ -346,6 +358,10 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
             lc = tc < n
             slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
             ok = lc & (slot > 0) & (slot < num_slots)
+            ok = ok & landed_lanes(slot, ok, tl.load(pos_ptr + tc, mask=lc, other=0), tl.load(ids_ptr + tc, mask=lc,
+                                                                                             other=0),
+                                   w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr, counter_ptr, ring_cap, tag,
+                                   NUM_SOURCES, HALVES)
             h, tags = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
             tl.store(words_ptr + slot * 4 + 3, h.to(tl.int64, bitcast=True), mask=ok)
             tl.store(tags_ptr + slot, tags.to(tl.int64, bitcast=True), mask=ok)
@@ -361,8 +377,9 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
                   n, bs, rows,
                   max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, split,
                   n_verify, grid, max_spins, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
-                  HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
-                  NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+                  HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, VERIFY_SOURCES: tl.constexpr,
+                  HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
@@ -387,7 +404,7 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
                         v // split, v % split,
                         split, rows,
                         max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
-                        HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W, STAMP)
+                        HAS_LUT, HAS_TRUTH, VERIFY_SOURCES, BLOCK_V, BLOCK_W, STAMP)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
@@ -403,7 +420,7 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
                          w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, ticket - 1 - n_verify, epoch4, max_spins, n,
                          bs, rows,
                          lut_len, truth_stride, truth_width, num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH,
-                         NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
+                         NUM_SOURCES, HALVES, NBITS, BLOCK_T, BLOCK_W)
         else:  # the verifiers never all reported (or more did than exist): a stale workspace
             tl.atomic_or(err_ptr, 4)
     tl.debug_barrier()
@@ -439,7 +456,10 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     up and raises ``DeviceFlag.WORKSPACE`` in ``state.error`` (None: 2**24 on CUDA, seconds of
     waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits).
     HEAD also checks the write targets (``ops.conflicts``): ``marks`` is its scratch (allocated per
-    call when None, which is not capturable), ``held`` the idle prefix-cache slots."""
+    call when None, which is not capturable), ``held`` the idle prefix-cache slots. With
+    ``sources``, HEAD marks every write target in each source and TAIL reports the targets still
+    marked as MISSED_WRITE and records no fingerprint for them (``ops.landed``); HEAD checks no
+    fingerprint."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     tag, workspace = validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids,
                                     positions, out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources,
@@ -469,7 +489,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         max_spins = 1 << 24 if device.type == "cuda" else 64
     if stamp and marks is None:
         marks = WriteMarks.allocate(state.num_slots, device)
-    fp_sources = sources
+    fp_sources = [] if stamp else sources  # HEAD verifies no fingerprint; it marks the write targets
     block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
         if fp_sources else 512
     if split is None:
@@ -477,7 +497,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     n_verify = bs * split
     # HEAD: 1024 tokens a program (the look-back scan); TAIL: 128 fingerprints a program (4 tiles of 32)
     block_t = WRITE_BLOCK if stamp else RECORD_BLOCK
-    n_write = cdiv(n, block_t) if (stamp or fp_sources) else 0
+    n_write = cdiv(n, block_t) if (stamp or sources) else 0
     grid = 1 + n_verify + n_write
     truth_t = truth if truth is not None else req_to_token
     _check_kernel[(grid,)](
@@ -486,11 +506,12 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         input_ids, positions, out_cache_loc, state.ring, state.ring_counter, state.stats, state.error,
         workspace.sync, workspace.write_offsets, workspace.seed, workspace.block_sum, workspace.block_flag,
         marks.words if stamp else workspace.sync, marks.epoch if stamp else workspace.sync,
-        held if stamp and held is not None else workspace.sync, *source_words(fp_sources, workspace.seed),
+        held if stamp and held is not None else workspace.sync, *source_words(sources, workspace.seed),
         meta if meta is not None else workspace.sync, state.source_tags, source_halves(fp_sources),
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
         held.shape[0] if stamp and held is not None else 0,
-        STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
+        STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(sources),
+        VERIFY_SOURCES=len(fp_sources), HALVES=source_halves(sources),
         NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
         BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)

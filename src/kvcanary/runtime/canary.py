@@ -43,6 +43,7 @@ from kvcanary.ops.check import check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
@@ -78,10 +79,11 @@ class Recovery:
     ``since_step`` is the first step whose forward could have read or written the damage: the
     earliest step whose checks reported it. Every slot a forward reads is verified at its HEAD
     and again at its TAIL, write targets are checked at HEAD (conflicts, bad entries) and at TAIL
-    (fingerprints), so damage is reported by the first forward that reads or writes it, in that
-    forward's own report. On the CPU that report is read before the step samples (nothing to
-    drop); on CUDA one step late, so an engine holds each token back until the report of its
-    step was read (``kvcanary.engine.delivery``). Bad entries name no slot to quarantine."""
+    (written at all: MISSED_WRITE; then fingerprinted), so damage is reported by the first
+    forward that reads or writes it, in that forward's own report. On the CPU that report is
+    read before the step samples (nothing to drop); on CUDA one step late, so an engine holds
+    each token back until the report of its step was read (``kvcanary.engine.delivery``). Bad
+    entries name no slot to quarantine."""
 
     requests: tuple
     slots: tuple[int, ...]
@@ -182,7 +184,8 @@ class Canary:
         self.tail(batch)
 
     def head(self, b: ForwardBatch) -> None:
-        """Verify every prefix slot the batch reads, then stamp the slots it writes."""
+        """Verify every prefix slot the batch reads, then stamp the slots it writes and mark their
+        covered K/V bytes (TAIL requires the marks gone: MISSED_WRITE)."""
         if not self.config.enabled:
             return
         self.prepare_head(b)
@@ -219,8 +222,9 @@ class Canary:
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, lut=self._lut(b), window=self.window, marks=self.marks,
-                          held=self._held_now(), backend=self.backend)
+                          truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
+                          lut=self._lut(b), window=self.window, marks=self.marks, held=self._held_now(),
+                          backend=self.backend)
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
@@ -240,11 +244,13 @@ class Canary:
         stamp(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids, positions=b.positions,
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
               seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected, lut=self._lut(b))
+        mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
-        """Verify the prefix again (stray writes during the forward, fingerprints), then record
-        the fingerprints of the slots just written. Capturable on the fused (CUDA) path."""
+        """Verify the prefix again (stray writes during the forward, fingerprints), check every
+        write target was written (its HEAD mark gone), then record the fingerprints of the slots
+        just written. Capturable on the fused (CUDA) path."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
@@ -260,9 +266,12 @@ class Canary:
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
-            if self.sources:
-                fingerprint(slots=self._written(b), sources=self.sources, mode=self.config.real_kv,
-                            state=self.state, record=True, meta=self.meta)
+            if self.sources:  # a write target still marked gets no fingerprint (ops.landed)
+                landed = check_writes_landed(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids,
+                                             positions=b.positions, sources=self.sources, tag=tag, lut=self._lut(b))
+                written = self._written(b)
+                fingerprint(slots=torch.where(landed, written, torch.zeros_like(written)), sources=self.sources,
+                            mode=self.config.real_kv, state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
     def _held_now(self) -> torch.Tensor | None:
