@@ -259,7 +259,8 @@ def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, ba
         n = min(row["violations"], canary.state.ring_capacity, 4)
         row["first_violations"] = [f"{r.tag.point.name} {format_reasons(int(r.reasons))} slot={r.slot}"
                                    for r in decode_rows(canary.state.ring[:n])]
-    row["per_step_us"] = row["canary_us"] + prepare_us + (sweep_us / mode.sweep_interval if mode.sweep_interval else 0.0)
+    sweep_share = sweep_us / mode.sweep_interval if mode.sweep_interval else 0.0
+    row["per_step_us"] = row["canary_us"] + prepare_us + sweep_share
     floor = shape.floor_us(pool.model, copy_GBps)
     read = sum(4 * s.words_read(mode.real_kv) for s in canary.sources)
     own = canary_bytes(shape, mode, read, row.get("sweep_entries", 0) * canary.entry_bytes())
