@@ -29,6 +29,7 @@ from kvcanary.ops._common import Backend
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
@@ -52,7 +53,8 @@ class Arena:
     def _flat(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.empty(0, dtype=dtype).element_size()
         g = torch.Generator().manual_seed(self.rng.getrandbits(32))
-        return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
+        top = 2 if dtype == torch.bool else 256  # a bool byte other than 0 / 1 is not a value torch keeps
+        return torch.randint(0, top, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
 
     def t(self, name: str, values, dtype: torch.dtype = torch.int64):
         """A view holding ``values`` (mutated when ``name`` is a mutation target)."""
@@ -334,18 +336,48 @@ def case_check(a, rng, m):
     kw.update(state=state, input_ids=a.t("input_ids", w.ids), positions=a.t("positions", w.pos),
               out_cache_loc=a.t("out_cache_loc", w.loc), tag=maybe_int(rng, m, "tag", rng.randrange(NUM_LAUNCH_TAGS)),
               stamp=stamp_, split=maybe_int(rng, m, "split", rng.choice([None, 1, 2])))
-    if not stamp_:
-        kw["sources"], kw["mode"] = make_sources(a, rng, w.num_slots)
+    kw["sources"], kw["mode"] = make_sources(a, rng, w.num_slots)  # HEAD marks the write targets, TAIL checks
     if "window" in kw:
         kw["window"] = maybe_int(rng, m, "window", kw["window"])
     return check_forward, kw
 
 
+def _landed_kw(a, rng, m):
+    w = make_world(rng)
+    state = make_state(a, rng, w.num_slots, False, 1, 1)
+    loc = w.loc + [rng.choice(w.loc)] if w.loc and rng.random() < 0.3 else w.loc  # a duplicate target
+    kw = dict(state=state, out_cache_loc=a.t("out_cache_loc", loc),
+              sources=make_sources(a, rng, w.num_slots)[0])
+    if w.lut is not None:
+        kw["lut"] = a.t("lut", w.lut)
+    return w, loc, kw
+
+
+def case_mark_writes(a, rng, m):
+    return mark_writes, _landed_kw(a, rng, m)[2]
+
+
+def case_landed(a, rng, m):
+    w, loc, kw = _landed_kw(a, rng, m)
+    for src in kw["sources"]:  # some targets hold their mark: HEAD marked them and the forward did not write
+        if rng.random() < 0.7:
+            mark_writes(state=kw["state"], out_cache_loc=kw["out_cache_loc"], sources=[src], lut=kw.get("lut"),
+                        backend=Backend.TORCH)
+    n = len(loc)
+    kw.update(input_ids=a.t("input_ids", [rng.randint(-(2**63), 2**63 - 1) for _ in range(n)]),
+              positions=a.t("positions", [rng.randint(0, 9) for _ in range(n)]),
+              tag=maybe_int(rng, m, "tag", rng.randrange(NUM_LAUNCH_TAGS)))
+    if rng.random() < 0.5:
+        kw["out"] = a.t("out", [rng.random() < 0.5 for _ in range(n)], torch.bool)
+    return check_writes_landed, kw
+
+
 CASES: dict[str, Callable] = {"scatter": case_scatter, "gather": case_gather, "build_plan": case_plan,
                               "verify": case_verify, "stamp": case_stamp, "fingerprint": case_fingerprint,
-                              "check_forward": case_check}
+                              "check_forward": case_check, "mark_writes": case_mark_writes,
+                              "check_writes_landed": case_landed}
 INT_ARGS = {"gather": ["shift"], "build_plan": ["window"], "verify": ["tag"], "stamp": ["tag"],
-            "check_forward": ["tag", "split", "window"]}
+            "check_forward": ["tag", "split", "window"], "check_writes_landed": ["tag"]}
 
 
 # --- running a case ------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 
 from kvcanary.core.hashing import GOLDEN, splitmix64_torch, to_signed
 from kvcanary.core.record import Reason
-from kvcanary.errors import InputTypeError
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
@@ -73,6 +73,8 @@ def validate_landed(state, out_cache_loc, sources, lut, others: dict) -> torch.d
         check_len(name, t, n, "len(out_cache_loc)")
     if lut is not None:
         check_tensor("lut", lut, torch.int64, 1)
+        if lut.shape[0] < 1:
+            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
     if not isinstance(sources, list | tuple):
         raise InputTypeError(f"sources must be a list of KVSource, got {type(sources).__name__}")
     device = check_same_device(records=state.records, out_cache_loc=out_cache_loc, lut=lut, **others)
@@ -237,15 +239,15 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
     the slot's mark (module doc). Raises InputTypeError / InputError for wrong dtypes, shapes,
     devices or sources, before anything is written."""
     device = validate_landed(state, out_cache_loc, sources, lut, {})
+    for name, t in (("out_cache_loc", out_cache_loc), ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
     sources = list(sources)
     if not sources:
         return
     if not use_triton(backend, device):
         _mark_writes_torch(state, out_cache_loc, sources, lut)
         return
-    for name, t in (("out_cache_loc", out_cache_loc), ("lut", lut)):
-        if t is not None:
-            check_contiguous(name, t)
     n = out_cache_loc.shape[0]
     lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device)
     _mark_kernel[(max(cdiv(n, BLOCK), 1),)](out_cache_loc, lut_t, *words, meta, n, state.num_slots, lut_len,
@@ -267,6 +269,10 @@ def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, inpu
     check_tensor("out", out, torch.bool, 1)
     check_len("out", out, n, "len(out_cache_loc)")
     check_same_device(records=state.records, out=out)
+    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
+                    ("lut", lut), ("out", out)):
+        if t is not None:
+            check_contiguous(name, t)
     sources = list(sources)
     if not sources:
         out.fill_(True)
@@ -274,10 +280,6 @@ def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, inpu
     if not use_triton(backend, device):
         _landed_torch(state, out_cache_loc, input_ids, positions, sources, lut, tag, out)
         return out
-    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
-                    ("lut", lut), ("out", out)):
-        if t is not None:
-            check_contiguous(name, t)
     lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device)
     _landed_kernel[(max(cdiv(n, BLOCK), 1),)](
         out_cache_loc, input_ids, positions, lut_t, out.view(torch.int8), *words, meta, state.ring, state.ring_counter,
