@@ -3,9 +3,12 @@
 # (a shared machine's load moves between runs; interleaving spreads it over the versions alike).
 #   benchmarks/cpu_share_interleaved.sh ROUNDS "RUN OPTIONS" COMMIT...
 # e.g. benchmarks/cpu_share_interleaved.sh 3 "--model small" main HEAD
-# Prints one line per run: commit, round, the report's "canary time share" line.
+# Each run is benchmarks/bench_cpu_share.py (this checkout's) over `git archive COMMIT src`; one line
+# per run: commit, round, the report's "canary time share", then the canary's share of Engine.step
+# by the CPU-time clock of the stepping thread (what the canary itself spent).
 set -euo pipefail
 rounds=$1; opts=$2; shift 2
+bench=$(cd "$(dirname "$0")" && pwd)/bench_cpu_share.py
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for c in "$@"; do
@@ -16,7 +19,9 @@ done
 for r in $(seq 1 "$rounds"); do
     for c in "$@"; do
         # shellcheck disable=SC2086
-        line=$(PYTHONPATH="$tmp/$c/src" python -m kvcanary run $opts 2>/dev/null | grep "canary time share" || true)
-        echo "$c round=$r $(echo "$line" | tr -s ' │' ' ')"
+        out=$(PYTHONPATH="$tmp/$c/src" python "$bench" $opts 2>&1 || true)
+        share=$(echo "$out" | grep "canary time share" | tr -s ' │' ' ')
+        cpu=$(echo "$out" | grep "cpu clock" | sed 's/.*cpu clock: //')
+        echo "$c round=$r$share | cpu-time share of Engine.step $cpu"
     done
 done
