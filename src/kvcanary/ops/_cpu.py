@@ -118,7 +118,7 @@ def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, co
     """``verify._verify_torch`` of entries [0, m): one launch, the checked count, ring rows in entry
     order; a FINGERPRINT row's tag names the sources whose part differs from the side word in
     ``src_tags`` (``fingerprint.mismatch_tag_torch``; ``halves``: bit i = source i's half). The
-    loop reads arrays itself and calls only scalar helpers (see ``_fingerprints``)."""
+    loop reads arrays itself and calls only scalar functions (see ``_fingerprints``)."""
     num_slots = words.shape[0]
     stats[tag, 0] += 1
     k = m if num_sources > 0 else 0
@@ -427,7 +427,7 @@ _VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[
                "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], "
                "int64, int64, int64)")
 _SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean)"
-# inlined: the scalar helpers of the hot loops; called: the rest (inlined, their array arguments
+# inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
 _CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io")
@@ -435,6 +435,7 @@ _KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG),
 _compiled: dict[str, object] = {}
 _lock = threading.Lock()
 _usable: bool | None = None
+_jitted = False
 
 
 def kernel(name: str):
@@ -449,13 +450,13 @@ def kernel(name: str):
     with _lock:
         import numba
 
-        if not _compiled and not getattr(_check, "_kvcanary_jit", False):
-            # the helpers become numba functions before the first kernel compiles
-            for helper in _CALLED:
-                globals()[helper] = numba.njit(error_model="numpy")(globals()[helper])
-            for helper in _INLINED:
-                globals()[helper] = numba.njit(inline="always")(globals()[helper])
-            _check._kvcanary_jit = True
+        global _jitted
+        if not _jitted:  # the called functions become numba functions before the first kernel compiles
+            for fn_name in _CALLED:
+                globals()[fn_name] = numba.njit(error_model="numpy")(globals()[fn_name])
+            for fn_name in _INLINED:
+                globals()[fn_name] = numba.njit(inline="always")(globals()[fn_name])
+            _jitted = True
         py, sig = _KERNELS[name]
         fn = _compiled[name] = numba.njit(sig, cache=True, nogil=True, error_model="numpy")(globals()[py])
     return fn
