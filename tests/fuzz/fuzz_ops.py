@@ -1,4 +1,4 @@
-"""Fuzz every public op on both backends: random valid inputs, then adversarial mutations.
+"""Fuzz every public op on its backends: random valid inputs, then adversarial mutations.
 
 Every tensor lives in the middle of a larger buffer of random guard bytes (an ``Arena``); the op
 gets the view. One case is generated twice from its seed (one copy per backend) and run:
@@ -8,6 +8,10 @@ gets the view. One case is generated twice from its seed (one copy per backend) 
 - a success must leave every guard byte as it was, and both backends must succeed and agree
   byte for byte (ring rows as a multiset: their order is unspecified);
 - both backends must give the same outcome (the same error, or success).
+
+The ops with a compiled CPU kernel (``check_forward``, ``verify``, ``scatter_req_token_ids``) run a
+third copy on it (``Backend.NUMBA``, where numba serves), held to the same promises against the
+torch path: numba does not check bounds, so its guard bytes are the out-of-bounds test.
 
 ``python tests/fuzz/fuzz_ops.py --cases N`` prints the counts (cases, errors by type, mismatches).
 """
@@ -26,6 +30,7 @@ import torch
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
+from kvcanary.ops._cpu import usable as numba_usable
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
@@ -423,12 +428,25 @@ def m_names(a: Arena) -> set[str]:
     return set(a.mutations)
 
 
+NUMBA_OPS = ("check_forward", "verify", "scatter")  # the ops with a compiled CPU kernel
+
+
 def compare(op_name: str, seed: int) -> tuple[str, str | None]:
     """(outcome, problem): outcome is 'ok' or the error type's name; problem is None when the
     case holds every promise of the module doc."""
-    runs = {b: run_one(op_name, seed, b) for b in (Backend.TORCH, Backend.TRITON)}
-    (a_t, _, err_t), (a_k, _, err_k) = runs[Backend.TORCH], runs[Backend.TRITON]
-    for label, (a, before, err) in (("torch", runs[Backend.TORCH]), ("triton", runs[Backend.TRITON])):
+    outcome, problem = _compare(op_name, seed, Backend.TRITON)
+    if problem is None and op_name in NUMBA_OPS and numba_usable():
+        numba_outcome, problem = _compare(op_name, seed, Backend.NUMBA)
+        if problem is None and numba_outcome != outcome and "workspace_flag" not in (outcome, numba_outcome):
+            problem = f"numba: outcome {numba_outcome} != {outcome}"
+    return outcome, problem
+
+
+def _compare(op_name: str, seed: int, other: Backend) -> tuple[str, str | None]:
+    """``compare`` of the torch path against ``other``."""
+    runs = {b: run_one(op_name, seed, b) for b in (Backend.TORCH, other)}
+    (a_t, _, err_t), (a_k, _, err_k) = runs[Backend.TORCH], runs[other]
+    for label, (a, before, err) in (("torch", runs[Backend.TORCH]), (other.value, runs[other])):
         if err is not None:
             if not isinstance(err, InputError):
                 return type(err).__name__, f"{label}: raw {type(err).__name__}: {err}"
@@ -443,10 +461,10 @@ def compare(op_name: str, seed: int) -> tuple[str, str | None]:
     if flags.get("error", 0) & DeviceFlag.WORKSPACE and any(n.startswith("ws") for n in m_names(a_k)):
         return "workspace_flag", None  # a stale workspace handed in: reported on the flag, nothing out of bounds
     if (err_t is None) != (err_k is None):
-        return "mismatch", f"torch {err_t!r} vs triton {err_k!r}"
+        return "mismatch", f"torch {err_t!r} vs {other.value} {err_k!r}"
     if err_t is not None:
         if type(err_t) is not type(err_k) or str(err_t) != str(err_k):
-            return type(err_t).__name__, f"errors differ: torch {err_t!r} vs triton {err_k!r}"
+            return type(err_t).__name__, f"errors differ: torch {err_t!r} vs {other.value} {err_k!r}"
         return type(err_t).__name__, None
     counters = {n: int(f[mask][0]) for n, f, mask in a_t.bufs if n == "ring_counter"}
     for (name, ft, mask), (_, fk, _) in zip(a_t.bufs, a_k.bufs, strict=True):
@@ -458,7 +476,7 @@ def compare(op_name: str, seed: int) -> tuple[str, str | None]:
         elif not name.startswith("ws") and not Arena.same(ft, fk):  # workspaces: the kernel's scratch
             diff = (ft != fk).nonzero().flatten()
             return "ok", f"{name} differs between backends at {diff[:5].tolist()} (torch {ft[diff[:3]].tolist()} " \
-                         f"triton {fk[diff[:3]].tolist()})"
+                         f"{other.value} {fk[diff[:3]].tolist()})"
     return "ok", None
 
 
