@@ -151,19 +151,26 @@ def _row_base(slot, meta_ptr, i):
 
 
 @triton.jit
+def source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, INDEX: tl.constexpr):
+    """The words of source INDEX (a compile-time index; fold_sources picks its pointers the same way)."""
+    ptr = w0_ptr
+    if INDEX == 1:
+        ptr = w1_ptr
+    if INDEX == 2:
+        ptr = w2_ptr
+    if INDEX == 3:
+        ptr = w3_ptr
+    return ptr
+
+
+@triton.jit
 def mark_lanes(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr):
     """mark_writes on a block of translated slots (lanes where ``ok``)."""
     s = tl.where(ok, slot, 0)
     pattern = mark_words(s)
     col = tl.arange(0, 4)[None, :]
     for i in tl.static_range(NUM_SOURCES):
-        ptr = w0_ptr
-        if i == 1:
-            ptr = w1_ptr
-        if i == 2:
-            ptr = w2_ptr
-        if i == 3:
-            ptr = w3_ptr
+        ptr = source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, i)
         tl.store(ptr + _row_base(s, meta_ptr, i)[:, None] + col, pattern, mask=ok[:, None])
 
 
@@ -179,13 +186,7 @@ def landed_lanes(slot, ok, pos, ids, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r
     first_half = tl.zeros_like(s) - 1
     for k in tl.static_range(NUM_SOURCES):
         i = NUM_SOURCES - 1 - k  # last to first, so the first marked source's half stays
-        ptr = w0_ptr
-        if i == 1:
-            ptr = w1_ptr
-        if i == 2:
-            ptr = w2_ptr
-        if i == 3:
-            ptr = w3_ptr
+        ptr = source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, i)
         got = tl.load(ptr + _row_base(s, meta_ptr, i)[:, None] + col, mask=ok[:, None], other=0)
         hit = ok & (tl.sum((got == pattern).to(tl.int32), axis=1) == 4)
         bits = bits | (hit.to(tl.int64) << i)
