@@ -13,8 +13,9 @@ ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half
               "LaunchPoint", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
               "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "DeviceFlag", "DeviceState", "FingerprintMode", "KVSource", "Plan", "Workspace",
-             "build_plan", "check_forward", "check_writes", "fingerprint", "gather_expected_tokens",
-             "offsets_from_lengths", "scatter_req_token_ids", "stamp", "verify"]
+             "build_plan", "check_forward", "check_writes", "check_writes_landed", "fingerprint",
+             "gather_expected_tokens", "mark_writes", "offsets_from_lengths", "scatter_req_token_ids", "stamp",
+             "verify"]
 
 
 def test_exported_names_are_pinned():

@@ -38,8 +38,9 @@ class CanaryConfig:
     ``incident_summary_steps``: steps between incident summary lines (WARNING; re-detections of
     open incidents are counted there, not logged one by one; a line only when something changed;
     0 = only at ``flush``).
-    ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: on CUDA; True elsewhere
-    runs the Triton kernel on the CPU, which needs TRITON_INTERPRET=1 and is for tests)."""
+    ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: the Triton kernel on CUDA,
+    the compiled CPU kernel on the CPU where numba serves; True on the CPU runs the Triton kernel
+    there, which needs TRITON_INTERPRET=1 and is for tests; False: the ops one by one)."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL

@@ -140,6 +140,11 @@ th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{ba
 .bad{color:#b00}.ok{color:#070}img{max-width:100%}"""
 
 
+def _sources(entry: dict) -> str:
+    """The KV sources a fingerprint failure names, as ``layer.half`` (``31.V``); ``-`` when none."""
+    return ",".join(f"{s.get('layer')}.{s.get('half')}" for s in entry.get("sources", [])) or "-"
+
+
 def render_incident(report: dict, title: str = "kv-canary incident report") -> IncidentPage:
     """The HTML page and the PNG timeline of a run report. Raises ValueError for a malformed timeline."""
     png = plot_timeline(report)
@@ -147,10 +152,11 @@ def render_incident(report: dict, title: str = "kv-canary incident report") -> I
     num_incidents = report.get("incidents")
     counted = f"{n} violation(s)" + (f" in {num_incidents} incident(s)" if num_incidents is not None else "")
     verdict = f'<p class="bad">{counted} reported</p>' if n else '<p class="ok">no violation reported</p>'
-    incidents = _grid(["id", "pool", "slot", "reasons", "first seen (step, point)", "detections", "last step",
-                       "closed", "requests"],
+    incidents = _grid(["id", "pool", "slot", "reasons", "first seen (step, point)", "tag", "sources", "detections",
+                       "last step", "closed", "requests"],
                       [[i.get("id"), i.get("pool"), i.get("slot"), "+".join(i.get("reasons", [])),
-                        f"{i.get('first_step')} {i.get('launch_point')}", i.get("detections"), i.get("last_step"),
+                        f"{i.get('first_step')} {i.get('launch_point')}", i.get("tag", "-"), _sources(i),
+                        i.get("detections"), i.get("last_step"),
                         f"{i.get('closed_by')} at {i.get('closed_step')}" if i.get("closed_by") else "open",
                         ",".join(f"{r['request']}@{r['position']}"
                                  for r in i.get("first_violation", {}).get("requests", []))]
@@ -158,8 +164,9 @@ def render_incident(report: dict, title: str = "kv-canary incident report") -> I
     injections = _grid(["fault", "step", "slot", "detail"],
                        [[i.get("fault"), i.get("step"), i.get("slot"), i.get("detail")]
                         for i in report.get("injections", [])], "injections")
-    violations = _grid(["step", "tag", "reasons", "slot", "position", "token", "expected token", "requests"],
-                       [[v.get("step"), v.get("tag"), "+".join(v.get("reasons", [])), v.get("slot"),
+    violations = _grid(["step", "tag", "reasons", "sources", "slot", "position", "token", "expected token",
+                        "requests"],
+                       [[v.get("step"), v.get("tag"), "+".join(v.get("reasons", [])), _sources(v), v.get("slot"),
                          v.get("position"), v.get("token"), v.get("expected_token"),
                          ",".join(f"{r['request']}@{r['position']}" for r in v.get("requests", []))]
                         for v in report.get("first_violations", [])], "violations")

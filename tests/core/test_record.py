@@ -26,7 +26,8 @@ from kvcanary.core.record import (
 def test_reason_bits_are_the_documented_ones():
     assert [(r.name, r.value) for r in Reason] == [("CHAIN", 1), ("POSITION", 2), ("FINGERPRINT", 4),
                                                    ("WRITE_TOKEN", 8), ("WRITE_POSITION", 16), ("VERIFY_TOKEN", 32),
-                                                   ("BAD_ENTRY", 64), ("WRITE_CONFLICT", 128), ("READ_CONFLICT", 256)]
+                                                   ("BAD_ENTRY", 64), ("WRITE_CONFLICT", 128), ("READ_CONFLICT", 256),
+                                                   ("MISSED_WRITE", 512)]
 
 
 def test_reason_names_and_parse_round_trip():
@@ -73,6 +74,14 @@ def test_violation_row_from_row():
         ViolationRow.from_row([0] * 7)
     with pytest.raises(ValueError, match="launch tag 12 out of range"):
         ViolationRow.from_row([12] + [0] * 7)
+
+
+def test_violation_row_source_mask_above_the_launch_tag():
+    """A fingerprint row: the launch tag in the low 8 bits, the differing sources' mask above."""
+    tag = LaunchTag(LaunchPoint.TAIL, PoolKind.FULL, Half.V)
+    row = ViolationRow.from_row([tag.value | 0b1010 << 8, 9, 4, 7, -1, 11, 12, int(Reason.FINGERPRINT)])
+    assert (row.tag, row.sources_mask, row.source_indices) == (tag, 0b1010, (1, 3))
+    assert ViolationRow.from_row([tag.value, 9, 4, 7, -1, 11, 12, 4]).source_indices == ()
 
 
 def test_decode_rows():

@@ -247,3 +247,20 @@ def test_signal_kernel_compiles_for_sm90():
     for emit, has_batch in variants:
         assert f"'EMIT': {emit}, 'HAS_BATCH': {has_batch}" in proc.stdout, proc.stdout
     assert proc.stdout.count("ok ") == len(variants), proc.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_the_launch_point_is_read_below_a_source_mask(backend):
+    """A fingerprint row's tag column carries the differing sources above its low 8 bits: the
+    signal still names TAIL, and the reason bits stay the row's."""
+    from kvcanary.core.record import COL_REASONS, COL_TAG, SOURCE_MASK_SHIFT, LaunchPoint, LaunchTag, Reason
+    from kvcanary.ops.signal import CODE
+
+    device = device_for(backend)
+    state = DeviceState.allocate(16, ring_capacity=4, device=device)
+    state.ring[0, COL_TAG] = LaunchTag(LaunchPoint.TAIL).value | 0b1010 << SOURCE_MASK_SHIFT
+    state.ring[0, COL_REASONS] = int(Reason.FINGERPRINT)
+    state.ring_counter.fill_(1)
+    table = torch.zeros(1, 4, dtype=torch.int64, device=device)
+    signal_row(states=[state], buffers=SignalBuffers.allocate(1, device=device), table=table, rank=0, backend=backend)
+    assert int(table[0, CODE]) == int(Reason.FINGERPRINT) | 1 << (POINT_SHIFT + LaunchPoint.TAIL)

@@ -3,6 +3,7 @@ route ``GET /canary/incidents``; a clean run has none."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -74,3 +75,48 @@ def test_the_admin_route_answers_the_incidents(faulty):
     assert body["incidents"] == report["incidents"] and body["redetections"] == report["redetections"]
     assert body["first_incidents"] == report["first_incidents"]
     assert [i["id"] for i in body["open_incidents"]] == [i["id"] for i in report["first_incidents"] if i["open"]]
+
+
+def _flipped(inj) -> tuple[int, str]:
+    layer, half = re.search(r"layer=(\d+) half=([KV])", inj.detail).groups()
+    return int(layer), half
+
+
+def test_incidents_and_violations_name_the_flipped_layer_and_half(faulty):
+    out, report = faulty
+    (inj,) = out.injections
+    layer, half = _flipped(inj)
+    first = report["first_incidents"][0]
+    assert (first["tag"], first["layer"], first["sources"]) == (f"TAIL.FULL.{half}", layer,
+                                                                [{"layer": layer, "half": half}])
+    hit = [v for v in report["first_violations"] if v["slot"] == inj.slot]
+    assert hit and all((v["tag"], v["layer"], v["sources"]) == (first["tag"], layer, first["sources"]) for v in hit)
+
+
+def test_the_incident_page_shows_the_sources(faulty):
+    pytest.importorskip("matplotlib")
+    from kvcanary.incident import render_incident
+
+    out, report = faulty
+    layer, half = _flipped(out.injections[0])
+    page = render_incident(report).html
+    for table_id in ("incidents", "violations"):
+        table = page[page.index(f'<table id="{table_id}">'):]
+        table = table[: table.index("</table>")]
+        assert "<th>sources</th>" in table and f"<td>{layer}.{half}</td>" in table, table_id
+
+
+def test_the_admin_violations_route_carries_layer_and_sources(faulty):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from kvcanary.server.admin import AdminTarget, CanaryAdmin, admin_app
+
+    out, _ = faulty
+    layer, half = _flipped(out.injections[0])
+    admin = CanaryAdmin(AdminTarget(out.hooks.canary, threading.RLock()))
+    admin.log.add(out.violations)
+    with TestClient(admin_app(admin)) as client:
+        body = client.get("/canary/violations?since=0").json()
+    rows = [v for v in body["violations"] if "fingerprint" in v["reasons"]]
+    assert rows and all((v["layer"], v["sources"]) == (layer, [{"layer": layer, "half": half}]) for v in rows)

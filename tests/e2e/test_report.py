@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import struct
 import subprocess
@@ -142,7 +143,11 @@ def test_log_json_option_writes_violation_lines_as_json():
     assert result.exit_code == 1, result.output
     lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     events = [x for x in lines if x.get("event") == "violation"]
-    assert events and events[0]["fields"]["reason"] == "fingerprint" and events[0]["fields"]["tag"] == "TAIL.FULL.K"
+    flips = [re.search(r" half=([KV]) ", x["message"]) for x in lines
+             if x["message"].startswith("fault used_slot_flip")]
+    half = next(m[1] for m in flips if m)  # the tag names the half the fault flipped
+    assert events and events[0]["fields"]["reason"] == "fingerprint"
+    assert events[0]["fields"]["tag"] == f"TAIL.FULL.{half}"
     summary = [x for x in lines if x.get("event") == "incidents"]  # the re-detections, counted at the end
     assert summary and summary[-1]["fields"]["incidents"] == len(events) and summary[-1]["level"] == "WARNING"
     assert any(x["logger"] == "kvcanary.faults" for x in lines)

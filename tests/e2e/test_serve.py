@@ -6,6 +6,7 @@ at 0 before the injection). The server's ``--log-json`` violation line is parsed
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -133,7 +134,9 @@ def test_openai_client_and_prometheus_see_an_injected_fault(stack):
     violations = [x for x in lines if x.get("event") == "violation"]
     assert violations, log.read_text()[-2000:]
     first = violations[0]["fields"]
-    assert (first["tag"], first["reason"], first["slot"]) == ("TAIL.FULL.K", "fingerprint", injections[0]["slot"])
+    half = re.search(r" half=([KV]) ", injections[0]["detail"])[1]  # the tag names the half the fault flipped
+    assert (first["tag"], first["reason"], first["slot"]) == (f"TAIL.FULL.{half}", "fingerprint",
+                                                              injections[0]["slot"])
     assert violations[0]["logger"] == "kvcanary" and violations[0]["level"] == "WARNING"
 
 

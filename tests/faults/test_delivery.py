@@ -114,6 +114,16 @@ def test_without_recompute_the_damage_reaches_the_client(fault_free):
     assert got.tokens != fault_free.tokens
 
 
+@pytest.mark.parametrize("name", ["dropped_kv_write", "wrong_layer_write"])
+def test_without_recompute_a_write_that_did_not_happen_reaches_the_client(name, fault_free):
+    """Writes that did not happen change what later forwards read: under the log policy the
+    client gets other tokens (so the recompute comparison above can fail for these faults)."""
+    fault = FAULTS[name](probability=0.3, seed=3, warmup_steps=8, max_injections=3)
+    got = run_delivered(small_setup(policy=Policy.LOG, engine=GREEDY), [fault])
+    assert fault.injections
+    assert got.tokens != fault_free.tokens
+
+
 ZOO_CANARY = CanaryConfig(policy=Policy.RECOMPUTE, real_kv=FingerprintMode.PARTIAL, sweep_interval=4)
 ZOO_CASES = {c.bug: c for c in zoo_cases(ModelConfig(), ZOO_CANARY, WorkloadConfig(num_requests=32))}
 

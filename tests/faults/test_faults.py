@@ -19,6 +19,7 @@ from kvcanary.faults import (
     PageTableRepoint,
     StaleSlotReuse,
     UsedSlotFlip,
+    WrongLayerWrite,
 )
 from kvcanary.faults.judge import judge
 from kvcanary.ops.fingerprint import FingerprintMode
@@ -45,6 +46,8 @@ EXACT = {  # first violation: launch point, every reason, steps after the inject
     "stale_slot_reuse": (LaunchPoint.HEAD, Reason.READ_CONFLICT, 0),
     "page_table_bad_entry": (LaunchPoint.HEAD, Reason.BAD_ENTRY, 0),
     "write_target_duplicate": (LaunchPoint.HEAD, Reason.WRITE_CONFLICT, 0),
+    "dropped_kv_write": (LaunchPoint.TAIL, Reason.MISSED_WRITE, 0),
+    "wrong_layer_write": (LaunchPoint.TAIL, Reason.MISSED_WRITE, 0),
 }
 
 
@@ -201,3 +204,29 @@ def test_run_workload_is_unchanged_by_a_fault_that_never_acts():
     engine.hooks.attach(engine)
     counts = run_workload(engine, setup.workload)
     assert counts.requests == 8 and counts.finished + counts.aborted == 8
+
+
+@pytest.mark.parametrize("name", ["dropped_kv_write", "wrong_layer_write"])
+def test_missed_writes_need_real_kv(name):
+    """Mode none marks nothing: the write that did not happen changes no check."""
+    out = run_once(small_setup(real_kv=FingerprintMode.NONE), [FAULTS[name](warmup_steps=WARMUP)])
+    assert out.injections and out.violations == []
+
+
+@pytest.mark.parametrize(("from_layer", "to_layer", "seen"), [(1, 0, True), (0, 1, False)],
+                         ids=["from_covered", "from_uncovered"])
+def test_wrong_layer_write_is_seen_only_from_a_covered_layer(from_layer, to_layer, seen):
+    """Only layer 1 covered: layer 1's K/V landing in layer 0 leaves layer 1 marked (MISSED_WRITE
+    at TAIL, in the step); layer 0's landing in layer 1 is valid-looking K/V in a covered layer,
+    invisible by design (its twin without the fault: the clean fixture)."""
+    fault = WrongLayerWrite(from_layer=from_layer, to_layer=to_layer, warmup_steps=WARMUP)
+    out = run_once(small_setup(layers=(1,)), [fault])
+    assert fault.injections
+    if seen:
+        verdict = judge(fault, fault.injections, out.violations)
+        assert verdict.detected and verdict.false_positives == 0, verdict
+        assert verdict.first_detection == "missed_write @ TAIL" and verdict.steps_to_detection == 0
+        first = min(out.violations, key=lambda v: v.step)
+        assert first.stored_value == 0b11  # both of layer 1's sources (K and V) still hold the mark
+    else:
+        assert out.violations == []

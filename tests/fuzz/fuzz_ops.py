@@ -1,4 +1,4 @@
-"""Fuzz every public op on both backends: random valid inputs, then adversarial mutations.
+"""Fuzz every public op on its backends: random valid inputs, then adversarial mutations.
 
 Every tensor lives in the middle of a larger buffer of random guard bytes (an ``Arena``); the op
 gets the view. One case is generated twice from its seed (one copy per backend) and run:
@@ -8,6 +8,10 @@ gets the view. One case is generated twice from its seed (one copy per backend) 
 - a success must leave every guard byte as it was, and both backends must succeed and agree
   byte for byte (ring rows as a multiset: their order is unspecified);
 - both backends must give the same outcome (the same error, or success).
+
+The ops with a compiled CPU kernel (``check_forward``, ``verify``, ``scatter_req_token_ids``) run a
+third copy on it (``Backend.NUMBA``, where numba serves), held to the same promises against the
+torch path: numba does not check bounds, so its guard bytes are the out-of-bounds test.
 
 ``python tests/fuzz/fuzz_ops.py --cases N`` prints the counts (cases, errors by type, mismatches).
 """
@@ -26,9 +30,11 @@ import torch
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
+from kvcanary.ops._cpu import usable as numba_usable
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
@@ -52,7 +58,8 @@ class Arena:
     def _flat(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.empty(0, dtype=dtype).element_size()
         g = torch.Generator().manual_seed(self.rng.getrandbits(32))
-        return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
+        top = 2 if dtype == torch.bool else 256  # a bool byte other than 0 / 1 is not a value torch keeps
+        return torch.randint(0, top, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
 
     def t(self, name: str, values, dtype: torch.dtype = torch.int64):
         """A view holding ``values`` (mutated when ``name`` is a mutation target)."""
@@ -334,18 +341,48 @@ def case_check(a, rng, m):
     kw.update(state=state, input_ids=a.t("input_ids", w.ids), positions=a.t("positions", w.pos),
               out_cache_loc=a.t("out_cache_loc", w.loc), tag=maybe_int(rng, m, "tag", rng.randrange(NUM_LAUNCH_TAGS)),
               stamp=stamp_, split=maybe_int(rng, m, "split", rng.choice([None, 1, 2])))
-    if not stamp_:
-        kw["sources"], kw["mode"] = make_sources(a, rng, w.num_slots)
+    kw["sources"], kw["mode"] = make_sources(a, rng, w.num_slots)  # HEAD marks the write targets, TAIL checks
     if "window" in kw:
         kw["window"] = maybe_int(rng, m, "window", kw["window"])
     return check_forward, kw
 
 
+def _landed_kw(a, rng, m):
+    w = make_world(rng)
+    state = make_state(a, rng, w.num_slots, False, 1, 1)
+    loc = w.loc + [rng.choice(w.loc)] if w.loc and rng.random() < 0.3 else w.loc  # a duplicate target
+    kw = dict(state=state, out_cache_loc=a.t("out_cache_loc", loc),
+              sources=make_sources(a, rng, w.num_slots)[0])
+    if w.lut is not None:
+        kw["lut"] = a.t("lut", w.lut)
+    return w, loc, kw
+
+
+def case_mark_writes(a, rng, m):
+    return mark_writes, _landed_kw(a, rng, m)[2]
+
+
+def case_landed(a, rng, m):
+    w, loc, kw = _landed_kw(a, rng, m)
+    for src in kw["sources"]:  # some targets hold their mark: HEAD marked them and the forward did not write
+        if rng.random() < 0.7:
+            mark_writes(state=kw["state"], out_cache_loc=kw["out_cache_loc"], sources=[src], lut=kw.get("lut"),
+                        backend=Backend.TORCH)
+    n = len(loc)
+    kw.update(input_ids=a.t("input_ids", [rng.randint(-(2**63), 2**63 - 1) for _ in range(n)]),
+              positions=a.t("positions", [rng.randint(0, 9) for _ in range(n)]),
+              tag=maybe_int(rng, m, "tag", rng.randrange(NUM_LAUNCH_TAGS)))
+    if rng.random() < 0.5:
+        kw["out"] = a.t("out", [rng.random() < 0.5 for _ in range(n)], torch.bool)
+    return check_writes_landed, kw
+
+
 CASES: dict[str, Callable] = {"scatter": case_scatter, "gather": case_gather, "build_plan": case_plan,
                               "verify": case_verify, "stamp": case_stamp, "fingerprint": case_fingerprint,
-                              "check_forward": case_check}
+                              "check_forward": case_check, "mark_writes": case_mark_writes,
+                              "check_writes_landed": case_landed}
 INT_ARGS = {"gather": ["shift"], "build_plan": ["window"], "verify": ["tag"], "stamp": ["tag"],
-            "check_forward": ["tag", "split", "window"]}
+            "check_forward": ["tag", "split", "window"], "check_writes_landed": ["tag"]}
 
 
 # --- running a case ------------------------------------------------------------------------------------
@@ -391,12 +428,25 @@ def m_names(a: Arena) -> set[str]:
     return set(a.mutations)
 
 
+NUMBA_OPS = ("check_forward", "verify", "scatter")  # the ops with a compiled CPU kernel
+
+
 def compare(op_name: str, seed: int) -> tuple[str, str | None]:
     """(outcome, problem): outcome is 'ok' or the error type's name; problem is None when the
     case holds every promise of the module doc."""
-    runs = {b: run_one(op_name, seed, b) for b in (Backend.TORCH, Backend.TRITON)}
-    (a_t, _, err_t), (a_k, _, err_k) = runs[Backend.TORCH], runs[Backend.TRITON]
-    for label, (a, before, err) in (("torch", runs[Backend.TORCH]), ("triton", runs[Backend.TRITON])):
+    outcome, problem = _compare(op_name, seed, Backend.TRITON)
+    if problem is None and op_name in NUMBA_OPS and numba_usable():
+        numba_outcome, problem = _compare(op_name, seed, Backend.NUMBA)
+        if problem is None and numba_outcome != outcome and "workspace_flag" not in (outcome, numba_outcome):
+            problem = f"numba: outcome {numba_outcome} != {outcome}"
+    return outcome, problem
+
+
+def _compare(op_name: str, seed: int, other: Backend) -> tuple[str, str | None]:
+    """``compare`` of the torch path against ``other``."""
+    runs = {b: run_one(op_name, seed, b) for b in (Backend.TORCH, other)}
+    (a_t, _, err_t), (a_k, _, err_k) = runs[Backend.TORCH], runs[other]
+    for label, (a, before, err) in (("torch", runs[Backend.TORCH]), (other.value, runs[other])):
         if err is not None:
             if not isinstance(err, InputError):
                 return type(err).__name__, f"{label}: raw {type(err).__name__}: {err}"
@@ -411,10 +461,10 @@ def compare(op_name: str, seed: int) -> tuple[str, str | None]:
     if flags.get("error", 0) & DeviceFlag.WORKSPACE and any(n.startswith("ws") for n in m_names(a_k)):
         return "workspace_flag", None  # a stale workspace handed in: reported on the flag, nothing out of bounds
     if (err_t is None) != (err_k is None):
-        return "mismatch", f"torch {err_t!r} vs triton {err_k!r}"
+        return "mismatch", f"torch {err_t!r} vs {other.value} {err_k!r}"
     if err_t is not None:
         if type(err_t) is not type(err_k) or str(err_t) != str(err_k):
-            return type(err_t).__name__, f"errors differ: torch {err_t!r} vs triton {err_k!r}"
+            return type(err_t).__name__, f"errors differ: torch {err_t!r} vs {other.value} {err_k!r}"
         return type(err_t).__name__, None
     counters = {n: int(f[mask][0]) for n, f, mask in a_t.bufs if n == "ring_counter"}
     for (name, ft, mask), (_, fk, _) in zip(a_t.bufs, a_k.bufs, strict=True):
@@ -426,7 +476,7 @@ def compare(op_name: str, seed: int) -> tuple[str, str | None]:
         elif not name.startswith("ws") and not Arena.same(ft, fk):  # workspaces: the kernel's scratch
             diff = (ft != fk).nonzero().flatten()
             return "ok", f"{name} differs between backends at {diff[:5].tolist()} (torch {ft[diff[:3]].tolist()} " \
-                         f"triton {fk[diff[:3]].tolist()})"
+                         f"{other.value} {fk[diff[:3]].tolist()})"
     return "ok", None
 
 

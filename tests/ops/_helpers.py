@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvcanary.core.record import new_ring, new_stats, record_words
 from kvcanary.ops._common import Backend
+from kvcanary.ops._cpu import usable as numba_usable
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.ops.plan import Plan
 from kvcanary.ops.state import DeviceState, Workspace
@@ -20,6 +21,9 @@ from ._compare import assert_same
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = (Backend.TORCH, Backend.TRITON)
 BACKEND_IDS = [b.value for b in BACKENDS]
+# the ops with a compiled CPU kernel (check_forward, verify, scatter_req_token_ids) are checked on it too
+WITH_NUMBA = (*BACKENDS, Backend.NUMBA) if numba_usable() else BACKENDS
+WITH_NUMBA_IDS = [b.value for b in WITH_NUMBA]
 SEEDS = st.integers(0, 2**32 - 1)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -43,13 +47,13 @@ def on_device(x, device: torch.device):
     return x
 
 
-STATE_KEYS = ("canary", "ring", "ring_counter", "stats", "workspace")
+STATE_KEYS = ("canary", "ring", "ring_counter", "stats", "workspace", "source_tags")
 
 
 def with_state(op, **kwargs):
     """Call ``op`` with the loose buffers a test built (``canary``, ``ring``, ``ring_counter``,
-    ``stats``, ``workspace``) wrapped in one DeviceState sharing their storage; a missing ring or
-    stats is allocated. Without a ``canary`` the arguments pass through unchanged."""
+    ``stats``, ``workspace``, ``source_tags``) wrapped in one DeviceState sharing their storage; a
+    missing ring, stats or side words are allocated. Without a ``canary`` the arguments pass through unchanged."""
     if "canary" not in kwargs:
         return op(**kwargs)
     loose = {k: kwargs.pop(k) for k in STATE_KEYS if k in kwargs}
@@ -65,7 +69,8 @@ def with_state(op, **kwargs):
     if loose.get("workspace") is not None:
         spare = Workspace.allocate(1, 1, dev)
         workspaces = (loose["workspace"], spare) if kwargs.get("stamp") else (spare, loose["workspace"])
-    return op(state=DeviceState(canary, ring, counter, stats, workspaces=workspaces), **kwargs)
+    return op(state=DeviceState(canary, ring, counter, stats, workspaces=workspaces,
+                                source_tags=loose.get("source_tags")), **kwargs)
 
 
 def run_op(op, backend: Backend, **kwargs):
@@ -89,6 +94,21 @@ def token_ids(gen: torch.Generator, n: int, lo: int = INT64_MIN, hi: int = INT64
 def random_canary(gen: torch.Generator, num_slots: int) -> torch.Tensor:
     """uint8[num_slots, 32] of random bytes (never a zeroed buffer: untouched records must stay as they were)."""
     return torch.randint(0, 256, (num_slots, 32), dtype=torch.uint8, generator=gen)
+
+
+def random_tags(gen: torch.Generator, num_slots: int) -> torch.Tensor:
+    """int64[num_slots] random side words (so "left as they were" is observable)."""
+    return torch.randint(INT64_MIN, INT64_MAX, (num_slots,), dtype=torch.int64, generator=gen)
+
+
+def damage_sources(gen: torch.Generator, sources: list[KVSource], num_slots: int, rate: float) -> None:
+    """Flip one bit of the first word of a fraction ``rate`` of the slots, in one random source
+    each (in place): parts of the fingerprint then differ from the side word."""
+    for s in range(1, num_slots):
+        if sources and float(torch.rand(1, generator=gen)) < rate:
+            src = sources[int(torch.randint(0, len(sources), (1,), generator=gen))]
+            at = (s // src.page_size) * src.page_stride // 4 + (s % src.page_size) * src.bytes_per_token // 4
+            src.words[at] ^= 1 << int(torch.randint(0, 31, (1,), generator=gen))
 
 
 # --- list views ------------------------------------------------------------------------------

@@ -150,16 +150,23 @@ class RefSource:
     page_size: int
     page_stride_bytes: int
     bytes_per_token: int
+    half: int = 0
 
     @classmethod
     def of(cls, src: KVSource) -> RefSource:
         stride = src.page_stride_bytes or src.page_size * src.bytes_per_token
-        return cls(src.words.cpu().tolist(), src.page_size, stride, src.bytes_per_token)
+        return cls(src.words.cpu().tolist(), src.page_size, stride, src.bytes_per_token, int(src.half))
 
 
 def fingerprint_slot(slot: int, sources: list[RefSource], mode: FingerprintMode) -> int:
     """The word fold of fingerprint.py for one valid slot (signed)."""
-    total = 0
+    return fingerprint_parts(slot, sources, mode)[0]
+
+
+def fingerprint_parts(slot: int, sources: list[RefSource], mode: FingerprintMode) -> tuple[int, int]:
+    """(fingerprint, side word) of one valid slot, both signed: the side word holds the low 16
+    bits of source i's mixed part in bits 16i..16i+15."""
+    total = tags = 0
     for i, src in enumerate(sources):
         n_bytes = PARTIAL_BYTES if mode is FingerprintMode.PARTIAL else src.bytes_per_token
         n_words = min(n_bytes, src.bytes_per_token) // 4
@@ -167,31 +174,48 @@ def fingerprint_slot(slot: int, sources: list[RefSource], mode: FingerprintMode)
         acc = 0
         for w in range(n_words):
             acc += (src.words[start + w] & 0xFFFFFFFF) * ((2 * w + 1) * GOLDEN)
-        total += splitmix64((acc + (i + 1) * GOLDEN) & MASK64)
-    return to_signed(splitmix64(FP_SEED ^ (total & MASK64)))
+        part = splitmix64((acc + (i + 1) * GOLDEN) & MASK64)
+        total += part
+        tags |= (part & 0xFFFF) << (16 * i)
+    return to_signed(splitmix64(FP_SEED ^ (total & MASK64))), to_signed(tags)
+
+
+def mismatch_tag(tag: int, stored_tags: int, exp_tags: int, sources: list[RefSource]) -> int:
+    """The tag column of a fingerprint failure: the half of the first source whose 16-bit part
+    differs (the first source's when none does), the mask of differing sources from bit 8."""
+    differ = [i for i in range(len(sources)) if ((stored_tags ^ exp_tags) & MASK64) >> (16 * i) & 0xFFFF]
+    half = sources[differ[0]].half if differ else sources[0].half
+    return (tag & ~1) | half | (sum(1 << i for i in differ) << 8)
 
 
 def fingerprint(slots: list[int], sources: list[RefSource], mode: FingerprintMode, words: list[list[int]],
-                record: bool = False) -> tuple[list[int], list[list[int]]]:
-    """Returns (fingerprint per slot, new records). Invalid slots give 0; mode NONE gives 0."""
+                record: bool = False, tags: list[int] | None = None
+                ) -> tuple[list[int], list[list[int]], list[int]]:
+    """Returns (fingerprint per slot, new records, new side words). Invalid slots give 0; mode
+    NONE gives 0 (and records a 0 side word)."""
     num_slots = len(words)
     new = [list(w) for w in words]
+    new_tags = list(tags) if tags is not None else [0] * num_slots
     out = []
     for s in slots:
         ok = 0 < s < num_slots
-        fp = fingerprint_slot(s, sources, mode) if ok and mode is not FingerprintMode.NONE and sources else 0
+        fp, side = fingerprint_parts(s, sources, mode) if ok and mode is not FingerprintMode.NONE and sources \
+            else (0, 0)
         out.append(fp)
         if ok and record:
             new[s][3] = fp
-    return out, new
+            new_tags[s] = side
+    return out, new, new_tags
 
 
 # --- verify --------------------------------------------------------------------------------
 
 def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources: list[RefSource] = (),
-           mode: FingerprintMode = FingerprintMode.NONE) -> tuple[list[Row], int]:
-    """Returns (violation rows, number of slots checked); the launch count is always one."""
+           mode: FingerprintMode = FingerprintMode.NONE, tags: list[int] | None = None) -> tuple[list[Row], int]:
+    """Returns (violation rows, number of slots checked); the launch count is always one.
+    ``tags``: the side words (zeros when None)."""
     num_slots = len(words)
+    tags = tags if tags is not None else [0] * num_slots
     cap = len(plan["slot"])
     limit = min(plan["count"][0], cap) if plan["enable"][0] else 0
     check_fp = mode is not FingerprintMode.NONE and len(sources) > 0
@@ -210,7 +234,7 @@ def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources
             exp_chain = to_signed(p_chain + link(p_tok, p_pos))
         else:
             exp_chain = None if epos != 0 else to_signed(ANCHOR)
-        exp_fp = fingerprint_slot(slot, sources, mode) if check_fp else fp
+        exp_fp, exp_tags = fingerprint_parts(slot, sources, mode) if check_fp else (fp, 0)
         checks = [(Reason.CHAIN, exp_chain is not None and chain != exp_chain, chain, exp_chain),
                   (Reason.POSITION, pos != epos, pos, epos),
                   (Reason.FINGERPRINT, fp != exp_fp, fp, exp_fp),
@@ -218,7 +242,8 @@ def verify(words: list[list[int]], plan: dict[str, list[int]], tag: int, sources
         failed = [c for c in checks if c[1]]
         if failed:
             reasons = sum(int(c[0]) for c in failed)
-            rows.append([tag, slot, pos, tok, etok, failed[0][2], failed[0][3], reasons])
+            row_tag = mismatch_tag(tag, tags[slot], exp_tags, sources) if fp != exp_fp else tag
+            rows.append([row_tag, slot, pos, tok, etok, failed[0][2], failed[0][3], reasons])
     return rows, checked
 
 
@@ -252,3 +277,53 @@ def check_writes(plan: dict[str, list[int]], out_cache_loc: list[int], input_ids
             if reasons:
                 rows.append([tag, slot, positions[t], input_ids[t], -1, row, other, reasons])
     return rows
+
+
+# --- mark_writes / check_writes_landed -------------------------------------------------------
+
+MARK_SEED = 0x6D697373696E6721  # "missing!"
+
+
+def mark(slot: int) -> list[int]:
+    """The four int32 words (signed) HEAD writes into the first 16 bytes of a write target's row."""
+    out = []
+    for k in range(2):
+        m = splitmix64(((slot ^ MARK_SEED) + k * GOLDEN) & MASK64)
+        out += [m & 0xFFFFFFFF, m >> 32]
+    return [to_int32(w) for w in out]
+
+
+def _row_start(src: RefSource, slot: int) -> int:
+    return ((slot // src.page_size) * src.page_stride_bytes + (slot % src.page_size) * src.bytes_per_token) // 4
+
+
+def mark_writes(sources: list[RefSource], out_cache_loc: list[int], num_slots: int, lut: list[int] | None = None
+                ) -> list[list[int]]:
+    """The sources' words after HEAD marked every valid write target."""
+    out = [list(src.words) for src in sources]
+    for loc in out_cache_loc:
+        slot = translate(loc, lut) if lut is not None else loc
+        if 0 < slot < num_slots:
+            for words, src in zip(out, sources, strict=True):
+                start = _row_start(src, slot)
+                words[start: start + 4] = mark(slot)
+    return out
+
+
+def check_writes_landed(sources: list[RefSource], halves: list[int], out_cache_loc: list[int], input_ids: list[int],
+                        positions: list[int], num_slots: int, tag: int, lut: list[int] | None = None
+                        ) -> tuple[list[Row], list[bool]]:
+    """(MISSED_WRITE rows, landed per token)."""
+    rows, landed = [], []
+    for loc, tok, pos in zip(out_cache_loc, input_ids, positions, strict=True):
+        slot = translate(loc, lut) if lut is not None else loc
+        bits = 0
+        if 0 < slot < num_slots:
+            for i, src in enumerate(sources):
+                start = _row_start(src, slot)
+                bits |= (src.words[start: start + 4] == mark(slot)) << i
+        landed.append(bits == 0)
+        if bits:
+            first = (bits & -bits).bit_length() - 1
+            rows.append([(tag & ~1) | halves[first], slot, pos, tok, -1, bits, 0, int(Reason.MISSED_WRITE)])
+    return rows, landed

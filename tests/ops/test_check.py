@@ -28,16 +28,19 @@ from kvcanary.ops._common import Backend
 from kvcanary.ops.check import Workspace, check_forward, verify_split
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.ops.plan import Plan
+from kvcanary.ops.state import DeviceState
 
 from . import reference as ref
 from ._compare import assert_same
 from ._helpers import (
-    BACKENDS,
     SEEDS,
+    WITH_NUMBA,
     assert_ring,
+    damage_sources,
     device_for,
     plan_lists,
     random_canary,
+    random_tags,
     run_op,
     token_ids,
     with_state,
@@ -56,12 +59,16 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     max_ctx = max([p + e for p, e in zip(prefix, extend, strict=True)], default=0) + 2
     canary = random_canary(gen, num_slots)
     words = record_words(canary)
+    aux = torch.Generator().manual_seed(gen.initial_seed() + 1)  # side words, halves, K/V damage: gen's draws stay
+    tags = random_tags(aux, num_slots)
     sources = []
     if mode is not FingerprintMode.NONE:
         page = int(torch.randint(1, 4, (1,), generator=gen))
         pages = -(-num_slots // page)
-        sources = [KVSource.from_buffer(torch.randint(0, 256, (pages, page, 48), dtype=torch.uint8, generator=gen),
-                                        page_size=page, half=Half(i)) for i in range(2)]
+        sources = [KVSource.from_buffer(torch.randint(0, 256, (pages, page, 48), dtype=torch.uint8,
+                                                      generator=gen if i < 2 else aux),
+                                        page_size=page, half=Half(int(torch.randint(0, 2, (1,), generator=aux))),
+                                        layer=i) for i in range(2 + int(torch.randint(0, 3, (1,), generator=aux)))]
     ref_sources = [ref.RefSource.of(s) for s in sources]
     # the pool slot of page-table slot s: identity, or a permutation through a LUT (0 stays 0)
     table = torch.arange(num_slots)
@@ -82,7 +89,10 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
         truth_lens.append(n + e - int(torch.randint(0, 2, (1,), generator=gen)))
         for p, (s, c) in enumerate(zip(slots[:n], chain_values(tokens[:n]), strict=True)):
             pool_slot = int(table[s])
-            fp = ref.fingerprint_slot(pool_slot, ref_sources, mode) if sources else 0
+            if sources:
+                fp, tags[pool_slot] = ref.fingerprint_parts(pool_slot, ref_sources, mode)
+            else:
+                fp = 0
             words[pool_slot] = torch.tensor([tokens[p], p, to_signed(c), fp])
         ids += tokens[n:]
         pos += list(range(n, n + e))
@@ -94,6 +104,7 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     bad = torch.rand(num_slots, generator=gen) < corrupt
     col = torch.randint(0, 4, (num_slots,), generator=gen)
     words[bad, col[bad]] += torch.randint(1, 3, (int(bad.sum()),), generator=gen)
+    damage_sources(aux, sources, num_slots, corrupt)
     hit = torch.rand(rtt.shape, generator=gen) < corrupt / 4
     wild = torch.tensor([0, -3, num_slots, num_slots + 7, 1], dtype=torch.int32)
     rtt = torch.where(hit, wild[torch.randint(0, 5, rtt.shape, generator=gen)], rtt)
@@ -122,7 +133,15 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
     held = [int(table[s]) for s in loc_t.tolist()
             if 0 < s < num_slots and float(torch.rand(1, generator=gen)) < corrupt]
     held += [int(table[s]) for s in free[:2]]
-    ring, counter = new_ring(sum(prefix) + 2 * len(ids) + 3)
+    # writes that did not happen: at TAIL, some targets still hold HEAD's mark in some source
+    if sources and not stamp:
+        for loc in loc_t.tolist():
+            slot = int(table[loc]) if 0 <= loc < num_slots else -1
+            for src in sources:
+                if 0 < slot < num_slots and float(torch.rand(1, generator=gen)) < corrupt:
+                    start = ((slot // src.page_size) * src.page_stride + (slot % src.page_size) * src.bytes_per_token)
+                    src.words[start // 4: start // 4 + 4] = torch.tensor(ref.mark(slot), dtype=torch.int32)
+    ring, counter = new_ring(sum(prefix) + 3 * len(ids) + 3)
     counter += int(torch.randint(0, 3, (1,), generator=gen))
     stats = torch.randint(0, 50, new_stats().shape, generator=gen)
     return dict(canary=canary, req_pool_indices=rpi, prefix_lens=torch.tensor(prefix, dtype=torch.int64),
@@ -131,11 +150,11 @@ def make_world(gen: torch.Generator, prefix: list[int], extend: list[int], *, mo
                 stamp=stamp, truth=truth if with_truth else None,
                 truth_lens=torch.tensor(truth_lens, dtype=torch.int64) if with_truth else None,
                 sources=sources, mode=mode, lut=table if lut else None, window=window,
-                held=torch.tensor(held, dtype=torch.int64))
+                held=torch.tensor(held, dtype=torch.int64), source_tags=tags)
 
 
 def expected(w: dict):
-    """(records, ring rows, checked, stamped) of the sequence of reference ops."""
+    """(records, side words, ring rows, checked, stamped, source words) of the sequence of reference ops."""
     bs = w["req_pool_indices"].shape[0]
     rpi, prefix, extend = w["req_pool_indices"].tolist(), w["prefix_lens"].tolist(), w["extend_lens"].tolist()
     rtt, max_ctx = w["req_to_token"].tolist(), w["req_to_token"].shape[1]
@@ -147,8 +166,8 @@ def expected(w: dict):
     plan = ref.build_plan(rpi, prefix, extend, rtt, max_ctx, plan_lists(Plan.allocate(max(entries, 1), max(bs, 1))),
                           truth, max_ctx, tlens, lut, w["window"])
     sources = [ref.RefSource.of(s) for s in w["sources"]]
-    words = words_of(w["canary"])
-    rows, checked = ref.verify(words, plan, w["tag"], sources, w["mode"])
+    words, tags = words_of(w["canary"]), w["source_tags"].tolist()
+    rows, checked = ref.verify(words, plan, w["tag"], [] if w["stamp"] else sources, w["mode"], tags)
     ids, pos, loc = w["input_ids"].tolist(), w["positions"].tolist(), w["out_cache_loc"].tolist()
     stamped = 0
     if w["stamp"]:
@@ -160,23 +179,33 @@ def expected(w: dict):
         words, stamp_rows, stamped = ref.stamp(words, loc, ids, pos, rpi, prefix, plan["write_offsets"][: bs + 1],
                                                plan["seed"][:bs], w["tag"], exp, lut)
         rows += stamp_rows
-    elif sources:
-        _, words = ref.fingerprint([ref.translate(s, lut) for s in loc], sources, w["mode"], words, record=True)
-    return words, rows, checked, stamped
+        source_words = ref.mark_writes(sources, loc, len(words), lut)
+        return words, tags, rows, checked, stamped, source_words
+    source_words = [s.words for s in sources]
+    if sources:
+        missed, landed = ref.check_writes_landed(sources, [int(s.half) for s in w["sources"]], loc, ids, pos,
+                                                 len(words), w["tag"], lut)
+        rows += missed
+        slots = [ref.translate(s, lut) if ok else 0 for s, ok in zip(loc, landed, strict=True)]
+        _, words, tags = ref.fingerprint(slots, sources, w["mode"], words, True, tags)
+    return words, tags, rows, checked, stamped, source_words
 
 
 def check_all(w: dict, split: int | None = None) -> list[list[int]]:
-    words, rows, checked, stamped = expected(w)
+    words, tags, rows, checked, stamped, source_words = expected(w)
     want_stats = w["stats"].clone()
     want_stats[w["tag"], STAT_LAUNCHES] += 1
     want_stats[w["tag"], STAT_CHECKED] += checked
     want_stats[w["tag"], STAT_STAMPED] += stamped
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args, _ = run_op(check_forward, backend, **w, split=split)
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]),
                     rows)
         assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
         assert_same(f"canary [{backend.value}]", words_of(args["canary"]), words)
+        assert_same(f"side words [{backend.value}]", args["source_tags"], tags)
+        for i, (src, want) in enumerate(zip(args["sources"], source_words, strict=True)):
+            assert_same(f"source {i} [{backend.value}]", src.words, want)
     return rows
 
 
@@ -229,7 +258,7 @@ def test_one_workspace_serves_many_launches():
     for k in range(3):
         w = make_world(gen, [5, 9, 2], [1, 1300, 4], mode=FingerprintMode.NONE, with_truth=False, corrupt=0.1,
                        lut=False, window=0, stamp=True, tag=0)
-        words, rows, _, _ = expected(w)
+        words, _, rows, _, _, _ = expected(w)
         args, _ = run_op(check_forward, Backend.TRITON, **w, workspace=ws)
         assert_same("canary", words_of(args["canary"]), words)
         assert ws.sync.tolist() == [0, 0, 0, k + 1]
@@ -247,10 +276,10 @@ def test_duplicate_write_targets_are_named_at_head(lut):
                        lut=lut, window=0, stamp=True, tag=0)
         if dup:
             w["out_cache_loc"][[3, 1200]] = w["out_cache_loc"][[0, 2]]  # B's first token onto A's, C's 1195th onto B's
-        _, rows, _, _ = expected(w)
+        _, _, rows, _, _, _ = expected(w)
         assert len(rows) == (2 if dup else 0)
         assert all(r[7] == int(Reason.WRITE_CONFLICT) for r in rows)
-        for backend in BACKENDS:
+        for backend in WITH_NUMBA:
             args, _ = run_op(check_forward, backend, **w, split=2)
             assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"],
                         int(w["ring_counter"]), rows)
@@ -292,3 +321,22 @@ def test_workspace_errors():
         Workspace.allocate(0, 8)
     with pytest.raises(ValueError, match="max_tokens 0 < 1"):
         Workspace.allocate(2, 0)
+
+
+@pytest.mark.parametrize("backend", [Backend.TORCH, Backend.AUTO], ids=["torch", "auto"])
+def test_a_batch_changed_after_its_head_is_validated_again(backend):
+    """HEAD and TAIL of one forward validate its batch once; a tensor changed in place since (or
+    replaced) is checked again, so the bad value is refused before anything is written."""
+    w = valid_world()
+    state = DeviceState(w.pop("canary"), w.pop("ring"), w.pop("ring_counter"), w.pop("stats"),
+                        source_tags=w.pop("source_tags"))
+    check_forward(state=state, **w, backend=backend)
+    check_forward(state=state, **(w | dict(stamp=False)), backend=backend)  # the same batch: passes again
+    before = state.records.clone()
+    w["req_pool_indices"][1] = 9
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] out of range"):
+        check_forward(state=state, **(w | dict(stamp=False)), backend=backend)
+    w["req_pool_indices"] = torch.tensor([1, -1])
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] out of range"):
+        check_forward(state=state, **w, backend=backend)
+    assert state.records.equal(before)

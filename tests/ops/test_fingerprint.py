@@ -19,6 +19,7 @@ from ._helpers import (
     device_for,
     on_device,
     random_canary,
+    random_tags,
     run_op,
     strided,
     with_state,
@@ -59,20 +60,23 @@ def make_sources(gen: torch.Generator, num_slots: int, layout: list[tuple[int, i
 
 
 def expected(slots: torch.Tensor, sources: list[KVSource], mode: FingerprintMode, canary: torch.Tensor,
-             record: bool):
-    return ref.fingerprint(slots.tolist(), [ref.RefSource.of(s) for s in sources], mode, words_of(canary), record)
+             record: bool, tags: torch.Tensor):
+    return ref.fingerprint(slots.tolist(), [ref.RefSource.of(s) for s in sources], mode, words_of(canary), record,
+                           tags.tolist())
 
 
 def check_all_backends(slots, sources, mode, canary, record) -> list[int]:
-    want_out, want_words = expected(slots, sources, mode, canary, record)
+    tags = random_tags(torch.Generator().manual_seed(int(canary.sum())), canary.shape[0])
+    want_out, want_words, want_tags = expected(slots, sources, mode, canary, record, tags)
     for backend in BACKENDS:
         out = torch.full_like(slots, -99)
         args, got = run_op(fingerprint, backend, slots=slots, sources=sources, mode=mode, out=out, canary=canary,
-                           record=record)
+                           record=record, source_tags=tags)
         assert got is args["out"]
         assert_same(f"fingerprint [{backend.value}, {mode.name}]", got, want_out)
         assert_same(f"canary [{backend.value}, {mode.name}, record={record}]", record_words(args["canary"]),
                     want_words)
+        assert_same(f"side words [{backend.value}, {mode.name}, record={record}]", args["source_tags"], want_tags)
     return want_out
 
 

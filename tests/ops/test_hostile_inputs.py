@@ -16,7 +16,7 @@ from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.state import DeviceState
 from kvcanary.ops.verify import verify
 
-from ._helpers import BACKEND_IDS, BACKENDS, device_for, random_canary
+from ._helpers import WITH_NUMBA, WITH_NUMBA_IDS, device_for, random_canary
 
 i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
 
@@ -44,7 +44,7 @@ def snap(s: DeviceState) -> list[torch.Tensor]:
     return [t.clone() for t in (s.records, s.ring, s.ring_counter, s.stats, s.error)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 @pytest.mark.parametrize(("change", "fragment"), [
     (dict(prefix_lens=i64(2**63 - 1, 1)), r"prefix_lens\[0\] out of range"),
     (dict(extend_lens=i64(2**63 - 1, 1)), r"prefix_lens \+ extend_lens\[0\] out of range"),
@@ -68,7 +68,7 @@ def test_check_forward_refuses(backend, change, fragment):
     assert unchanged(s, before)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_a_negative_or_empty_ring_counter_and_a_strided_stats_never_reach_a_kernel(backend):
     s = state()
     s.ring_counter.fill_(-1)
@@ -84,7 +84,7 @@ def test_a_negative_or_empty_ring_counter_and_a_strided_stats_never_reach_a_kern
                      torch.zeros(3, 12, dtype=torch.int64).t())
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_a_ring_counter_near_2_63_drops_rows_instead_of_writing_before_the_ring(backend):
     dev = device_for(backend)
     buf = torch.full((12, 8), -5, dtype=torch.int64, device=dev)
@@ -113,7 +113,7 @@ def test_hand_built_plans_of_bad_layout_are_refused_when_built():
         Plan(**fields | dict(count=torch.zeros(1, dtype=torch.int32)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_a_plan_resized_after_it_was_built_is_refused(backend):
     plan = Plan.allocate(4, 2)
     plan.slot.resize_(2)
@@ -124,7 +124,7 @@ def test_a_plan_resized_after_it_was_built_is_refused(backend):
                                                                     "req_to_token")}, plan=plan, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_a_meta_table_that_does_not_describe_the_sources_is_refused(backend):
     words = torch.randint(-(2**31), 2**31 - 1, (16 * 8,), dtype=torch.int32)
     src = KVSource(words, 16, 32)

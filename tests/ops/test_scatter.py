@@ -12,7 +12,7 @@ from kvcanary.ops.scatter import ERR_OFFSETS, ERR_ROWS, offsets_from_lengths, sc
 
 from . import reference as ref
 from ._compare import assert_same
-from ._helpers import BACKEND_IDS, BACKENDS, INT32_MAX, INT32_MIN, SEEDS, device_for, run_op, token_ids
+from ._helpers import INT32_MAX, INT32_MIN, SEEDS, WITH_NUMBA, WITH_NUMBA_IDS, device_for, run_op, token_ids
 
 GUARD = 2
 SENTINEL = -7
@@ -38,7 +38,7 @@ def expected_pool(inputs: dict) -> list[list[int]]:
                                      inputs["pool_out"].shape[1])
 
 
-def check_all_backends(inputs: dict, backends=BACKENDS) -> None:
+def check_all_backends(inputs: dict, backends=WITH_NUMBA) -> None:
     want = expected_pool(inputs)
     for backend in backends:
         args, flag = run_op(scatter_req_token_ids, backend, **inputs)
@@ -114,7 +114,7 @@ def test_more_than_4096_requests():
     check_all_backends(make_inputs(gen, bs=5000, width=6, max_len=8))
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_pool_out_may_be_a_column_slice(backend):
     gen = torch.Generator().manual_seed(13)
     inputs = make_inputs(gen, bs=6, width=5, max_len=7)
@@ -158,7 +158,7 @@ def valid_inputs() -> dict:
     (dict(flat_in=torch.arange(7, device="meta")), ValueError, "flat_in is on the meta device"),
 ])
 def test_validation_errors(change, exc, fragment):
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         with pytest.raises(exc) as info:
             scatter_req_token_ids(**{**valid_inputs(), **change}, backend=backend)
         assert fragment in str(info.value)
@@ -225,7 +225,7 @@ BAD_VALUES = [  # (offsets, req_pool_indices, expected error bits); flat_in has 
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 @pytest.mark.parametrize("offsets, rows, bits", BAD_VALUES)
 def test_device_values_are_masked_and_flagged(monkeypatch, backend, offsets, rows, bits):
     """Device tensors skip the value checks: bad offsets and rows only raise flag bits, and
@@ -253,7 +253,7 @@ def test_device_values_are_masked_and_flagged(monkeypatch, backend, offsets, row
         assert_same("pool_out", big[GUARD:GUARD + 4, GUARD:GUARD + 3], want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 def test_device_bad_rows_with_many_requests(monkeypatch, backend):
     """The flag scan covers every request, not only the first block."""
     monkeypatch.setattr(scatter_mod, "is_host", lambda t: False)

@@ -71,6 +71,8 @@ def test_counter_block_is_the_three_counters_back_to_back_and_none_for_buffers_b
      "state buffers ring and ring_counter share memory"),
     (dict(workspaces=(Workspace.allocate(1, 1),)), InputError, "holds 1 workspaces, expected 0 or 2"),
     (dict(workspaces=("a", "b")), InputTypeError, "state.workspaces[0] must be a Workspace, got str"),
+    (dict(source_tags=torch.zeros(7, dtype=torch.int64)), InputError, "state.source_tags length 7 != num_slots"),
+    (dict(source_tags=torch.zeros(8, dtype=torch.int32)), InputTypeError, "state.source_tags dtype int32 != int64"),
 ])
 def test_construction_errors_name_the_buffer(change, exc, fragment):
     with pytest.raises(exc) as info:

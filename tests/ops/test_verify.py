@@ -37,15 +37,17 @@ from kvcanary.ops.verify import verify
 from . import reference as ref
 from ._compare import assert_same, sorted_rows
 from ._helpers import (
-    BACKEND_IDS,
-    BACKENDS,
     SEEDS,
+    WITH_NUMBA,
+    WITH_NUMBA_IDS,
     assert_ring,
+    damage_sources,
     device_for,
     on_device,
     plan_lists,
     plan_of,
     random_canary,
+    random_tags,
     ring_rows,
     run_op,
     token_ids,
@@ -62,7 +64,8 @@ def kv_sources(gen: torch.Generator, num_slots: int, page_size: int, bytes_per_t
                ) -> list[KVSource]:
     pages = -(-num_slots // page_size)
     return [KVSource.from_buffer(torch.randint(0, 256, (pages, page_size, bytes_per_token), dtype=torch.uint8,
-                                               generator=gen), page_size=page_size, half=Half(i % 2))
+                                               generator=gen), page_size=page_size,
+                                 half=Half(int(torch.randint(0, 2, (1,), generator=gen))), layer=i)
             for i in range(n)]
 
 
@@ -75,7 +78,9 @@ def make_inputs(gen: torch.Generator, seq_lens: list[int], mode: FingerprintMode
     max_ctx = max(seq_lens, default=0) + 1
     canary = random_canary(gen, num_slots)
     words = record_words(canary)
-    sources = kv_sources(gen, num_slots, int(torch.randint(1, 4, (1,), generator=gen)), 32) if mode else []
+    tags = random_tags(gen, num_slots)
+    sources = kv_sources(gen, num_slots, int(torch.randint(1, 4, (1,), generator=gen)), 32,
+                         int(torch.randint(1, 5, (1,), generator=gen))) if mode else []
     ref_sources = [ref.RefSource.of(s) for s in sources]
     perm = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
     rtt = torch.zeros(bs + 1, max_ctx, dtype=torch.int32)
@@ -86,7 +91,7 @@ def make_inputs(gen: torch.Generator, seq_lens: list[int], mode: FingerprintMode
         rtt[r + 1, :n] = torch.tensor(slots, dtype=torch.int32)
         truth[r + 1, :n] = torch.tensor(tokens, dtype=torch.int32)
         for p, (s, c) in enumerate(zip(slots, chain_values(tokens), strict=True)):
-            fp = ref.fingerprint_slot(s, ref_sources, mode) if mode else 0
+            fp, tags[s] = ref.fingerprint_parts(s, ref_sources, mode) if mode else (0, tags[s])
             words[s] = torch.tensor([tokens[p], p, to_signed(c), fp])
     rpi = torch.arange(1, bs + 1)
     rpi[torch.rand(bs, generator=gen) < 0.15] = 0
@@ -99,6 +104,7 @@ def make_inputs(gen: torch.Generator, seq_lens: list[int], mode: FingerprintMode
     bad = torch.rand(num_slots, generator=gen) < corrupt
     col = torch.randint(0, 4, (num_slots,), generator=gen)
     words[bad, col[bad]] += torch.randint(1, 3, (int(bad.sum()),), generator=gen)
+    damage_sources(gen, sources, num_slots, corrupt)  # K/V bytes: parts of the fingerprint differ
     for name, choices in (("slot", [0, -1, num_slots, num_slots + 9, perm[0] if perm else 1]),
                           ("pred", [-1, 0, num_slots + 1, 1]), ("position", [0, 1, 5]), ("token", [-1, 7])):
         hit = torch.rand(m, generator=gen) < corrupt / 2
@@ -108,13 +114,14 @@ def make_inputs(gen: torch.Generator, seq_lens: list[int], mode: FingerprintMode
     counter += int(torch.randint(0, 3, (1,), generator=gen))
     stats = torch.randint(0, 50, new_stats().shape, generator=gen)
     return dict(canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=tag, sources=sources,
-                mode=mode)
+                mode=mode, source_tags=tags)
 
 
 def expected_verify(inputs: dict):
     ref_sources = [ref.RefSource.of(s) for s in inputs["sources"]]
+    tags = inputs["source_tags"].tolist() if "source_tags" in inputs else None
     return ref.verify(words_of(inputs["canary"]), plan_lists(inputs["plan"]), inputs["tag"], ref_sources,
-                      inputs["mode"])
+                      inputs["mode"], tags)
 
 
 def check_all_backends(inputs: dict) -> list[list[int]]:
@@ -122,12 +129,15 @@ def check_all_backends(inputs: dict) -> list[list[int]]:
     want_stats = inputs["stats"].clone()
     want_stats[inputs["tag"], STAT_LAUNCHES] += 1
     want_stats[inputs["tag"], STAT_CHECKED] += checked
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args, _ = run_op(verify, backend, **inputs)
         assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], inputs["ring"],
                     int(inputs["ring_counter"]), rows)
         assert_same(f"stats [{backend.value}]", args["stats"], want_stats)
         assert_same(f"canary [{backend.value}] (verify never writes)", args["canary"], inputs["canary"])
+        if "source_tags" in inputs:
+            assert_same(f"side words [{backend.value}] (verify never writes)", args["source_tags"],
+                        inputs["source_tags"])
     return rows
 
 
@@ -179,6 +189,8 @@ CA = [to_signed(c) for c in chain_values(A + [19])]  # chain entering each posit
 CB = [to_signed(c) for c in chain_values(B)]
 HEAD = LaunchTag(LaunchPoint.HEAD).value
 TAIL_V = LaunchTag(LaunchPoint.TAIL, PoolKind.FULL, Half.V).value
+TAIL_K = LaunchTag(LaunchPoint.TAIL, PoolKind.FULL, Half.K).value
+K_DIFFERS, V_DIFFERS = 1 << 8, 2 << 8  # the source mask of a fingerprint row: source 0 is K, source 1 is V
 SWEEP_SWA = LaunchTag(LaunchPoint.SWEEP, PoolKind.SWA).value
 
 
@@ -197,6 +209,7 @@ class Pool:
         self.kv = [torch.randint(0, 256, (9, 2, 64), dtype=torch.uint8, generator=gen).to(dev) for _ in range(2)]
         self.sources = [KVSource.from_buffer(buf, page_size=2, half=Half(i)) for i, buf in enumerate(self.kv)]
         self.canary = torch.zeros(NUM_SLOTS, 32, dtype=torch.uint8, device=dev)
+        self.source_tags = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=dev)
         self.req_to_token = torch.zeros(3, 10, dtype=torch.int32, device=dev)
         self.req_to_token[1, :8] = torch.tensor(SLOTS_A, dtype=torch.int32)
         self.req_to_token[2, :6] = torch.tensor(SLOTS_B, dtype=torch.int32)
@@ -234,7 +247,7 @@ class Pool:
               ring_counter=self.counter, stats=self.stats, tag=tag, expected_tokens=expected_tokens,
               backend=self.backend)
         with_state(fingerprint, slots=self.t(out_cache_loc), sources=self.sources, mode=self.mode, canary=self.canary,
-                    record=True, backend=self.backend)
+                   record=True, source_tags=self.source_tags, backend=self.backend)
         return plan
 
     def check(self, tag: int = HEAD, prefix_lens=(8, 6), with_sources: bool = False) -> list[list[int]]:
@@ -242,7 +255,7 @@ class Pool:
         plan = self.plan(list(prefix_lens), [0, 0])
         sources = self.sources if with_sources else ()
         with_state(verify, canary=self.canary, plan=plan, ring=self.ring, ring_counter=self.counter,
-                   stats=self.stats, tag=tag, sources=sources,
+                   stats=self.stats, tag=tag, sources=sources, source_tags=self.source_tags,
                    mode=self.mode if with_sources else FingerprintMode.NONE, backend=self.backend)
         return self.take_rows()
 
@@ -263,7 +276,7 @@ def row(tag, slot, stored_pos, stored_tok, expected_tok, stored, expected, reaso
     return [tag, slot, stored_pos, stored_tok, expected_tok, stored, expected, int(reasons)]
 
 
-BACKEND_PARAM = pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+BACKEND_PARAM = pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
 
 
 @BACKEND_PARAM
@@ -357,13 +370,13 @@ def test_fingerprint_flipped_kv_byte(backend, mode, byte):
     slot = SLOTS_A[4]
     stored = pool.words[slot, FINGERPRINT].item()
     pool.kv[1][slot // 2, slot % 2, byte] ^= 0x10  # V buffer, token row of the slot (page size 2)
-    rows = pool.check(TAIL_V, with_sources=True)
+    rows = pool.check(TAIL_K, with_sources=True)  # the launch tag of a pool's TAIL: its first source's half
     if mode is FingerprintMode.PARTIAL and byte >= 16:
         assert rows == []  # partial mode reads the first 16 bytes only
     else:
         now = ref.fingerprint_slot(slot, [ref.RefSource.of(s) for s in pool.sources], mode)
         assert now != stored
-        assert rows == [row(TAIL_V, slot, 4, A[4], -1, stored, now, Reason.FINGERPRINT)]
+        assert rows == [row(TAIL_V | V_DIFFERS, slot, 4, A[4], -1, stored, now, Reason.FINGERPRINT)]
     assert pool.check(HEAD) == []  # identity checks do not read the KV bytes
 
 
@@ -376,7 +389,8 @@ def test_fingerprint_stale_record_after_a_rewrite(backend):
     stored = pool.words[slot, FINGERPRINT].item()
     pool.kv[0][slot // 2, slot % 2] = pool.kv[0][SLOTS_B[3] // 2, SLOTS_B[3] % 2]
     now = ref.fingerprint_slot(slot, [ref.RefSource.of(s) for s in pool.sources], FingerprintMode.ALL)
-    assert pool.check(TAIL_V, with_sources=True) == [row(TAIL_V, slot, 2, B[2], -1, stored, now, Reason.FINGERPRINT)]
+    assert pool.check(TAIL_V, with_sources=True) == [row(TAIL_K | K_DIFFERS, slot, 2, B[2], -1, stored, now,
+                                                         Reason.FINGERPRINT)]
 
 
 @BACKEND_PARAM
@@ -547,7 +561,7 @@ SOURCE = KVSource.from_buffer(torch.zeros(8, 32, dtype=torch.uint8))
      ValueError, "sources[0] covers 6 slots < the canary's 8"),
 ])
 def test_validation_errors(change, exc, fragment):
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         with pytest.raises(exc) as info:
             with_state(verify, **{**valid_args(), **change}, backend=backend)
         assert fragment in str(info.value)
@@ -563,7 +577,7 @@ def test_strided_canary_is_refused_on_every_backend():
     """A canary inside a wider buffer: refused by the state on both paths, nothing written."""
     gen = torch.Generator().manual_seed(5)
     inputs = make_inputs(gen, [4, 6], FingerprintMode.ALL, with_truth=True, corrupt=0.2, tag=3)
-    for backend in BACKENDS:
+    for backend in WITH_NUMBA:
         args = {k: on_device(v, torch.device("cpu")) for k, v in inputs.items()}
         buf = torch.zeros(args["canary"].shape[0], 64, dtype=torch.uint8)
         buf[:, :32] = args["canary"]
@@ -574,7 +588,7 @@ def test_strided_canary_is_refused_on_every_backend():
         assert_same("stats", args["stats"], inputs["stats"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_NUMBA)
 @pytest.mark.parametrize("count,enable,expected", [(5, 2, 5), (-3, 1, 0), (10**9, 1, 8), (5, 0, 0)])
 def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expected):
     """enable is a flag (any non-zero) and count is clamped to [0, capacity]: a hand-filled plan

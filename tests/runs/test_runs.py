@@ -12,7 +12,9 @@ import typer
 from kvcanary.cli import app
 from kvcanary.config import Policy
 from kvcanary.errors import CanaryViolation
-from kvcanary.faults import UsedSlotFlip
+from kvcanary.faults import TransferByteFlip, UsedSlotFlip
+from kvcanary.runs.pd import report as pd_report
+from kvcanary.runs.pd import run_pd_once
 from kvcanary.runs.report import CanaryCounts, RankSection, RunReport, merge_ranks
 from kvcanary.runs.setup import (
     CanaryOptions,
@@ -114,6 +116,37 @@ def test_merged_ranks_keep_rank_0s_counts_and_tag_violations_with_their_rank():
     assert data["world"] == 2 and [r["rank"] for r in data["ranks"]] == [0, 1]
     assert data["violations"] == 2 * rep.canary.violations and data["requests"] == rep.counts.requests
     assert {v["rank"] for v in data["first_violations"]} == {0, 1} and isinstance(merged, RunReport)
+
+
+def test_merged_ranks_carry_the_incidents_of_every_rank():
+    setup = small_setup(num_requests=6)
+    rep = report(setup, run_once(setup, [UsedSlotFlip(seed=0, warmup_steps=4)]))
+    assert rep.incidents["incidents"] >= 1
+    data = merge_ranks([dataclasses.replace(rep, rank=RankSection(r, 2, [], [])) for r in range(2)]).to_json()
+    for key in ("incidents", "incidents_open", "redetections"):
+        assert data[key] == 2 * rep.incidents[key], key
+    assert data["incidents_by_reason"] == {k: 2 * n for k, n in rep.incidents["incidents_by_reason"].items()}
+    n = len(rep.incidents["first_incidents"])
+    assert Counter(i["rank"] for i in data["first_incidents"]) == Counter({0: n, 1: n})
+    assert [r["incidents"] for r in data["ranks"]] == [rep.incidents["incidents"]] * 2
+
+
+@pytest.mark.parametrize("faulty", [True, False], ids=["transfer_byte_flip", "clean"])
+def test_a_split_run_report_carries_incidents_on_both_sides_and_merged(faulty):
+    setup = small_setup(num_requests=16)
+    fault = TransferByteFlip(seed=1, warmup_steps=4)
+    out = run_pd_once(setup, [fault] if faulty else [])
+    data = pd_report(setup, out).to_json()
+    sides = data["prefill"]["incidents"], data["decode"]["incidents"]
+    assert data["incidents"] == sum(sides)
+    if not faulty:
+        assert data["incidents"] == 0 and data["first_incidents"] == [] and data["violations"] == 0
+        return
+    (inj,) = fault.injections
+    assert sides == (0, data["incidents"]) and data["incidents"] >= 1  # the decode side reads the damage
+    first = data["first_incidents"][0]
+    assert (first["side"], first["slot"], first["reasons"]) == ("decode", inj.slot, ["fingerprint"])
+    assert first["first_violation"]["sources"] and first["layer"] == first["first_violation"]["layer"]
 
 
 def test_canary_options_build_the_config():

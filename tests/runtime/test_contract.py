@@ -109,6 +109,25 @@ def test_host_moves_check_their_rows():
         canary.attach_host_tier(0)
 
 
+def test_rows_travel_with_their_side_words_and_foreign_rows_are_refused():
+    """export_rows gives the record and its source-tag side word; import_rows lands both, and
+    refuses rows of another shape (a bare 32-byte record) before writing anything."""
+    canary = Canary(CanaryConfig(), PoolGeometry(num_slots=41, rows=4, max_ctx=16))
+    gen = torch.Generator().manual_seed(5)
+    canary.state.records.copy_(torch.randint(0, 256, canary.state.records.shape, dtype=torch.uint8, generator=gen))
+    canary.state.source_tags.copy_(torch.randint(-(2**62), 2**62, (41,), generator=gen))
+    rows = canary.export_rows(torch.tensor([3, 7]))
+    assert rows.shape == (2, 40) and torch.equal(rows[:, :32], canary.state.records[[3, 7]])
+    assert rows[:, 32:].contiguous().view(torch.int64).flatten().tolist() == canary.state.source_tags[[3, 7]].tolist()
+    canary.land_rows(torch.tensor([9, 10]), rows)
+    assert torch.equal(canary.export_rows(torch.tensor([9, 10])), rows)
+    before = canary.state.records.clone()
+    with pytest.raises(KVCanaryError, match=r"rows must be uint8\[2, 40\] \(one export_rows row per slot\), got "
+                       r"torch.uint8 \(2, 32\)"):
+        canary.import_rows(torch.tensor([11, 12]), rows[:, :32])
+    assert torch.equal(canary.state.records, before)
+
+
 TENSOR_FIELDS = ["req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions",
                  "out_cache_loc", "truth_ids", "truth_offsets"]
 

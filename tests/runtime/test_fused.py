@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed
               pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the fused path runs on it: "
                                  "tests/e2e/test_cuda.py and tests/engine/test_cuda_graph.py")]
 
-PER_FORWARD = ("page_table_repoint", "used_slot_flip", "stale_slot_reuse")
+PER_FORWARD = ("page_table_repoint", "used_slot_flip", "stale_slot_reuse", "dropped_kv_write", "wrong_layer_write")
 
 
 def fused_setup(fused: bool, num_requests: int = 5):

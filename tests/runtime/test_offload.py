@@ -26,14 +26,14 @@ class RoundTripHooks(CanaryHooks):
 
     def on_offload(self, device_slots, host_rows):
         super().on_offload(device_slots, host_rows)
-        records, kv = self.canary.state.records[device_slots].clone(), self.kv(device_slots)
-        assert torch.equal(self.canary.host_rows[host_rows], records), "host mirror != device records"
+        records, kv = self.canary.export_rows(device_slots), self.kv(device_slots)
+        assert torch.equal(self.canary.host_rows[host_rows], records), "host mirror != device records + side words"
         for i, row in enumerate(host_rows.tolist()):
             self.sent[row] = (records[i], kv[i])
 
     def on_load(self, host_rows, device_slots):
         super().on_load(host_rows, device_slots)
-        records, kv = self.canary.state.records[device_slots], self.kv(device_slots)
+        records, kv = self.canary.export_rows(device_slots), self.kv(device_slots)
         for i, row in enumerate(host_rows.tolist()):
             want_record, want_kv = self.sent[row]
             assert torch.equal(records[i], want_record), f"host row {row} -> slot {int(device_slots[i])}: record"

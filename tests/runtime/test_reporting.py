@@ -58,8 +58,12 @@ def test_to_json_fields():
     assert out == {"step": 12, "tag": "SWEEP.SWA.V", "launch_point": "SWEEP", "pool": "SWA",
                    "reasons": ["chain", "position"], "slot": 183, "position": 5, "token": 17, "expected_token": -1,
                    "stored_value": -0x1F00000000000001, "expected_value": 0x1A2B3C4D5E6F7081,
-                   "requests": [{"request": "cache", "position": 3}]}
+                   "requests": [{"request": "cache", "position": 3}], "layer": None, "sources": []}
     json.dumps(out)
+    fp = violation(tag=LaunchTag(LaunchPoint.TAIL, half=Half.V), reasons=Reason.FINGERPRINT,
+                   sources=((31, Half.V), (2, Half.K))).to_json()
+    assert (fp["tag"], fp["layer"], fp["sources"]) == ("TAIL.FULL.V", 31, [{"layer": 31, "half": "V"},
+                                                                          {"layer": 2, "half": "K"}])
     assert violation().requests == (7, 9) and violation(owners=(("cache", 1), (4, 2))).requests == (4,)
 
 

@@ -40,6 +40,15 @@ def _batch(prefix: int, extend: int, lut: torch.Tensor | None = None) -> Forward
                         truth_offsets=torch.tensor([0, prefix + extend]), slot_lut=lut)
 
 
+def _forward(c: Canary, b: ForwardBatch) -> None:
+    """HEAD, the model's K/V writes of ``b`` (fresh values in the covered rows), TAIL."""
+    c.head(b)
+    rows = c.sources[0].words.view(NUM_SLOTS, -1)
+    rows[b.out_cache_loc] = torch.randint(-(2**31), 2**31 - 1, (b.out_cache_loc.shape[0], rows.shape[1]),
+                                          dtype=torch.int32).to(rows.device)
+    c.tail(b)
+
+
 def _to(b: ForwardBatch) -> ForwardBatch:
     return ForwardBatch(**{k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
 
@@ -56,16 +65,14 @@ def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window, fused
     c = _canary(truth, window, fused=fused)
     lut = torch.arange(NUM_SLOTS) if window else None
     fill = _to(_batch(0, 10, lut))
-    c.head(fill)
-    c.tail(fill)
+    _forward(c, fill)
     before = _state(c)
     seconds = c.warmup()
     assert seconds > 0 and c.warmup_seconds == seconds
     for got, want in zip(_state(c), before, strict=True):
         assert torch.equal(got, want)
     step = _to(_batch(10, 1, lut))
-    c.head(step)
-    c.tail(step)
+    _forward(c, step)
     assert int(c.state.ring_counter[0]) == 0
     assert int(c.state.stats[c.tag(LaunchPoint.HEAD), 0]) == 2  # the fill's and the step's launches only
     c.state.records[int(fill.out_cache_loc[3])] ^= 1

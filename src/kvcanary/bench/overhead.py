@@ -3,11 +3,14 @@
 For each step shape (``bench/floors.py``) and each mode, a synthetic step of an 8B-shaped model
 is built: a page table of random distinct slots over one pool, a ``ForwardBatch``, a ``Canary``
 with KV sources over real bf16 K/V buffers of the covered layers. The prefix is first written
-through the canary itself (HEAD stamps, TAIL records fingerprints) so the timed step takes the
-real clean path; then the device half of HEAD and TAIL (``canary.launch_head(step);
-canary.tail(step)``) is captured in one CUDA graph and replayed (median µs, CUDA events around
-batches of replays); with truth checks on, the token-history scatter of ``prepare_head``, which
-an engine runs outside its graph, is timed on its own and added. On the CPU eager calls are
+through the canary itself (HEAD stamps and marks, the step's K/V writes land, TAIL records
+fingerprints) so the timed step takes the real clean path; then the device half of HEAD, the
+step's K/V writes into the covered buffers and TAIL (``canary.launch_head(step); write;
+canary.tail(step)``) are captured in one CUDA graph and replayed (median µs, CUDA events around
+batches of replays), and the writes alone are timed the same way and subtracted (they are the
+model's work: TAIL requires them, ``ops.landed``); with truth checks on, the token-history
+scatter of ``prepare_head``, which an engine runs outside its graph, is timed on its own and
+added. On the CPU eager calls are
 timed with ``perf_counter``. Every timed step must report zero violations, and a tripwire
 afterwards (one corrupted prefix slot, one eager step) must report one, so the timed path is
 known to check.
@@ -90,12 +93,21 @@ class Pool:
 
     def __init__(self, model: ModelShape, num_slots: int, layers: tuple[int, ...], device, gen):
         self.model, self.num_slots, self.layers, self.device, self.gen = model, num_slots, layers, device, gen
-        self.sources = []
+        self.sources, self.buffers = [], []
         for layer in layers:
             for half in (Half.K, Half.V):
                 buf = torch.empty(num_slots, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16, device=device)
                 buf.view(torch.int16).random_(generator=gen)
+                self.buffers.append(buf)
                 self.sources.append(KVSource.from_buffer(buf, half=half, layer=layer))
+        # what the model writes into each written slot: one fresh row (rows may repeat; a check compares bytes only)
+        self.fresh = torch.empty(1, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16, device=device)
+        self.fresh.view(torch.int16).random_(generator=gen)
+
+    def write_kv(self, batch: ForwardBatch) -> None:
+        """The model's K/V writes of ``batch`` into the covered buffers (capturable)."""
+        for buf in self.buffers:
+            buf[batch.out_cache_loc] = self.fresh
 
 
 def plan_pool(model: ModelShape, shapes, n_idle: int, free_bytes: int) -> tuple[list, tuple[int, ...], list]:
@@ -213,9 +225,11 @@ def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, ba
     canary = Canary(config, PoolGeometry(pool.num_slots, step.rows, step.max_ctx, str(dev)), sources=pool.sources)
     fill, batch = step.batch("fill", mode.truth), step.batch("step", mode.truth)
     canary.head(fill)
+    pool.write_kv(fill)
     canary.tail(fill)
     v0, c0, s0 = _counters(canary)
     canary.head(batch)
+    pool.write_kv(batch)
     canary.tail(batch)
     v1, c1, s1 = _counters(canary)
     row = {"shape": shape.label, "mode": mode.name, "mode_label": mode.label, "fill_violations": v0,
@@ -223,9 +237,11 @@ def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, ba
            "expected_checked_per_step": 2 * shape.bs * shape.context,
            "expected_stamped_per_step": shape.bs * shape.extend}
     canary.prepare_head(batch)  # the host-fed half of HEAD runs before each replay, outside the graph
-    t = timing.time_step([partial(canary.launch_head, batch), partial(canary.tail, batch)], dev,
-                         "Canary.launch_head + Canary.tail", batches=batches)
-    row.update(canary_us=t.us, timing=t.as_dict())
+    t = timing.time_step([partial(canary.launch_head, batch), partial(pool.write_kv, batch),
+                          partial(canary.tail, batch)], dev, "Canary.launch_head + K/V writes + Canary.tail",
+                         batches=batches)
+    tw = timing.time_step([partial(pool.write_kv, batch)], dev, "the step's K/V writes", batches=batches)
+    row.update(canary_us=max(t.us - tw.us, 0.0), timing=t.as_dict(), write_us=tw.us, write_timing=tw.as_dict())
     prepare_us = 0.0
     if mode.truth:  # the truth scatter is device work of every step too, launched outside the graph
         tp = timing.time_step([partial(canary.prepare_head, batch)], dev, "Canary.prepare_head", batches=batches)
@@ -243,7 +259,8 @@ def measure(step: Step, mode: StudyMode, copy_GBps: float, sweep_budget: int, ba
         n = min(row["violations"], canary.state.ring_capacity, 4)
         row["first_violations"] = [f"{r.tag.point.name} {format_reasons(int(r.reasons))} slot={r.slot}"
                                    for r in decode_rows(canary.state.ring[:n])]
-    row["per_step_us"] = t.us + prepare_us + (sweep_us / mode.sweep_interval if mode.sweep_interval else 0.0)
+    sweep_share = sweep_us / mode.sweep_interval if mode.sweep_interval else 0.0
+    row["per_step_us"] = row["canary_us"] + prepare_us + sweep_share
     floor = shape.floor_us(pool.model, copy_GBps)
     read = sum(4 * s.words_read(mode.real_kv) for s in canary.sources)
     own = canary_bytes(shape, mode, read, row.get("sweep_entries", 0) * canary.entry_bytes())
@@ -281,6 +298,7 @@ def tripwire(canary: Canary, step: Step, batch: ForwardBatch, mode: StudyMode) -
     saved = words[slot, col].clone()
     words[slot, col] ^= 1
     canary.head(batch)
+    step.pool.write_kv(batch)
     canary.tail(batch)
     words[slot, col] = saved
     caught = _counters(canary)[0] - before

@@ -10,6 +10,11 @@ four little-endian int64 fields:
 | 1    | position    | logical position of that token in its sequence            |
 | 2    | chain       | prefix hash entering this slot (see core.hashing)         |
 | 3    | fingerprint | hash of the slot's real K/V bytes (0 when not recorded)   |
+
+Beside the records, ``int64[num_slots]`` *source tags* (one side word per slot, written with the
+fingerprint word) hold 16 bits of each KV source's own part of the fingerprint: source i in bits
+``16i .. 16i + 15``. They are not part of any check; when a fingerprint mismatches they name the
+sources whose part changed (``SourceMask`` in a violation row's tag column).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 RECORD_BYTES = 32
 RECORD_WORDS = 4
+ROW_BYTES = RECORD_BYTES + 8  # a record that travels with its K/V: the 32 bytes, then its source-tag side word
 TOKEN, POSITION, CHAIN, FINGERPRINT = range(RECORD_WORDS)
 PAD_SLOT = 0
 
@@ -49,6 +55,7 @@ class Reason(enum.IntFlag):
     BAD_ENTRY = 64  # a page-table / window-table entry or a write target that resolves to no slot
     WRITE_CONFLICT = 128  # two tokens of one forward write the same slot
     READ_CONFLICT = 256  # a forward writes a slot a request of the batch reads (or the prefix cache holds)
+    MISSED_WRITE = 512  # a write target still holds HEAD's mark at TAIL: the forward did not write it
 
     @classmethod
     def names(cls, bits: int) -> list[str]:
@@ -87,6 +94,9 @@ class PoolKind(enum.IntEnum):
 
 
 NUM_LAUNCH_TAGS = len(LaunchPoint) * len(PoolKind) * len(Half)
+SOURCE_TAG_BITS = 16  # bits of each source's part in the side word
+SOURCE_MASK_SHIFT = 8  # a violation row's tag column: launch tag | source mask << 8
+LAUNCH_TAG_MASK = (1 << SOURCE_MASK_SHIFT) - 1
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,9 @@ class LaunchTag:
     """Where a check ran: launch point x pool kind x K/V half, packed into one int.
 
     ``value = point * 4 + pool * 2 + half``. Identity checks (chain, position, token) run once
-    per pool and carry half K; fingerprint checks carry the half of their first source.
+    per pool and carry the half of the pool's first source (K when none); a fingerprint mismatch
+    carries the half of the first source whose part of the fingerprint differs (the first
+    source's when none does: a side word never written, or a 2**-16 collision of the parts).
     """
 
     point: LaunchPoint
@@ -117,7 +129,7 @@ class LaunchTag:
 
 # --- violation rows ----------------------------------------------------------------------
 
-VIOLATION_ROW_WIDTH = 8
+VIOLATION_ROW_WIDTH = 8  # the tag column holds the launch tag in its low 8 bits, a source mask above
 (COL_TAG, COL_SLOT, COL_STORED_POSITION, COL_STORED_TOKEN, COL_EXPECTED_TOKEN, COL_STORED_VALUE,
  COL_EXPECTED_VALUE, COL_REASONS) = range(VIOLATION_ROW_WIDTH)
 
@@ -138,10 +150,19 @@ class ViolationRow:
     |                | table / out_cache_loc)   |                 | written token | row          | resolved to       |
     | WRITE_CONFLICT | the slot                 | written position| written token | writer's row | first writer's row|
     | READ_CONFLICT  | the slot                 | written position| written token | writer's row | first reader's row|
+    | MISSED_WRITE   | the slot (translated)    | written position| written token | sources still| 0                 |
+    |                |                          |                 |               | marked (bits)|                   |
 
     BAD_ENTRY: the entry resolves to the padding slot 0, a negative slot, a slot outside the
     pool, or (window pools) a full slot the window table does not map. ``expected_token`` is the
     truth token at that position (or the expected written token), -1 when unknown.
+
+    ``sources_mask`` (tag column >> 8): for a FINGERPRINT failure, bit i is set when source i's
+    part of the fingerprint differs from the slot's side word; 0 for every other row.
+
+    MISSED_WRITE (TAIL, ``ops.landed``): the first 16 bytes of the slot's row still hold the mark
+    HEAD wrote in the sources of bit i of ``stored_value`` (bit i = the i-th covered source); the
+    tag's half is that of the first such source; ``expected_token`` is -1.
     """
 
     tag: LaunchTag
@@ -152,12 +173,20 @@ class ViolationRow:
     stored_value: int
     expected_value: int
     reasons: Reason
+    sources_mask: int = 0
 
     @classmethod
     def from_row(cls, row: list[int]) -> ViolationRow:
         if len(row) != VIOLATION_ROW_WIDTH:
             raise ValueError(f"violation row length {len(row)} != {VIOLATION_ROW_WIDTH}")
-        return cls(LaunchTag.decode(row[COL_TAG]), *row[COL_SLOT:COL_REASONS], Reason(row[COL_REASONS]))
+        tag = row[COL_TAG]
+        return cls(LaunchTag.decode(tag & LAUNCH_TAG_MASK if tag >= 0 else tag), *row[COL_SLOT:COL_REASONS],
+                   Reason(row[COL_REASONS]), max(tag, 0) >> SOURCE_MASK_SHIFT)
+
+    @property
+    def source_indices(self) -> tuple[int, ...]:
+        """Indices of the KV sources whose fingerprint part differs (``sources_mask``'s bits)."""
+        return tuple(i for i in range(self.sources_mask.bit_length()) if self.sources_mask >> i & 1)
 
 
 def new_ring(capacity: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,8 @@ from kvcanary.runtime.canary import Canary
 @dataclass
 class TransferPayload:
     """One request's prompt K/V in flight: ``k``/``v`` [num_layers, n, num_kv_heads, head_dim]
-    and ``records`` uint8[n, 32] in host memory, for positions ``0..n-1`` of ``token_ids``."""
+    and ``records`` uint8[n, 40] (``Canary.export_rows``: each record and its side word) in host
+    memory, for positions ``0..n-1`` of ``token_ids``."""
 
     request_id: int
     token_ids: list[int]
@@ -127,7 +128,7 @@ class KVTransfer:
             k_buf.index_copy_(0, index, payload.k[layer].to(dev, non_blocking=True))
             v_buf.index_copy_(0, index, payload.v[layer].to(dev, non_blocking=True))
         if self.decode_canary is not None and payload.records is not None:
-            self.decode_canary.state.records.index_copy_(0, index, payload.records.to(dev, non_blocking=True))
+            self.decode_canary.land_rows(index, payload.records)
             self.decode_canary.verify_landed(dst.to(dev))  # in page-table order: a misplaced row is caught
         inserted = decode.tree.insert(payload.token_ids, dst)
         if decode.host_tier is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from kvcanary.faults.base import Expectation, Fault, Injection
 from kvcanary.faults.cached_slot_flip import CachedSlotFlip
 from kvcanary.faults.chunk_boundary_token import ChunkBoundaryToken
+from kvcanary.faults.dropped_kv_write import DroppedKVWrite
 from kvcanary.faults.hooks import FaultHooks, attach_faults
 from kvcanary.faults.host_row_flip import HostRowFlip
 from kvcanary.faults.host_row_mismatch import HostRowMismatch
@@ -30,19 +31,20 @@ from kvcanary.faults.transfer_wrong_slot import TransferWrongSlot
 from kvcanary.faults.used_slot_flip import UsedSlotFlip
 from kvcanary.faults.write_target_duplicate import WriteTargetDuplicate
 from kvcanary.faults.written_slot_flip import WrittenSlotFlip
+from kvcanary.faults.wrong_layer_write import WrongLayerWrite
 
 FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
     PageTableRepoint, UsedSlotFlip, CachedSlotFlip, WrittenSlotFlip, SampledTokenSwap, PositionSkew,
     ChunkBoundaryToken, StampCorruption, HostRowFlip, HostRowMismatch, StaleSlotReuse, PageTableBadEntry,
-    WriteTargetDuplicate)}
+    WriteTargetDuplicate, DroppedKVWrite, WrongLayerWrite)}
 WINDOW_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (SlidingWindowLut,)}
 PD_FAULTS: dict[str, type[Fault]] = {f.name: f for f in (
     TransferByteFlip, TransferWrongSlot, StaleTransferWrite, PrefillAfterCheck)}
 PENDING_FAULTS: dict[str, type[Fault]] = {}
 
 __all__ = ["FAULTS", "PD_FAULTS", "PENDING_FAULTS", "WINDOW_FAULTS", "CachedSlotFlip", "ChunkBoundaryToken",
-           "Expectation", "Fault", "FaultHooks", "HostRowFlip", "HostRowMismatch", "Injection", "PageTableBadEntry",
-           "PageTableRepoint",
+           "DroppedKVWrite", "Expectation", "Fault", "FaultHooks", "HostRowFlip", "HostRowMismatch", "Injection",
+           "PageTableBadEntry", "PageTableRepoint",
            "PositionSkew", "PrefillAfterCheck", "SampledTokenSwap", "SlidingWindowLut", "StaleSlotReuse",
            "StaleTransferWrite", "StampCorruption", "StampField", "TransferByteFlip", "TransferWrongSlot",
-           "UsedSlotFlip", "WriteTargetDuplicate", "WrittenSlotFlip", "attach_faults"]
+           "UsedSlotFlip", "WriteTargetDuplicate", "WrittenSlotFlip", "WrongLayerWrite", "attach_faults"]

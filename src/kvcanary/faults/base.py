@@ -6,13 +6,16 @@ it did, and the launch point and reasons the canary must report for it.
 | method                         | when                                                            |
 |--------------------------------|-----------------------------------------------------------------|
 | ``before_forward(batch, step)``| after scheduling, before the canary's sweep and HEAD            |
+| ``after_head(batch, step)``    | after the canary's HEAD, before the model writes K/V            |
+| ``before_tail(batch, step)``   | after the model wrote K/V, before the canary's TAIL             |
 | ``on_report(ids, tables, vs)`` | after the canary's TAIL and step report, with its violations    |
 | ``after_forward(batch, step)`` | right after that, before sampling                               |
 | ``on_offload`` / ``on_load``   | after K/V (and records) moved: injections follow their slots    |
 | ``on_free(slots)``             | after slots returned to the allocator                           |
 
-A fault acts in ``before_forward`` or ``after_forward``; the other calls keep its injections'
-``affected_slots`` current, so the violations the damage causes are told from false positives.
+A fault acts in ``before_forward`` or ``after_forward`` (on a write the forward should make:
+between ``after_head`` and ``before_tail``, never inside a CUDA-graph capture); the other calls
+keep its injections' ``affected_slots`` current, so the violations the damage causes are told from false positives.
 
 It acts on the engine only through its public objects (the pool's buffers and page table, the
 requests, the prefix cache's listing) and never changes the engine's bookkeeping. Each decision
@@ -122,6 +125,12 @@ class Fault:
 
     def before_forward(self, batch: ForwardBatch, step: int) -> None:
         """Act before the canary's sweep and HEAD of ``step`` (default: nothing)."""
+
+    def after_head(self, batch: ForwardBatch, step: int) -> None:
+        """Act after the canary's HEAD of ``step``, before the model writes (default: nothing)."""
+
+    def before_tail(self, batch: ForwardBatch, step: int) -> None:
+        """Act after the model wrote K/V in ``step``, before the canary's TAIL (default: nothing)."""
 
     def after_forward(self, batch: ForwardBatch, step: int) -> None:
         """Act after the canary's TAIL of ``step`` (default: nothing)."""

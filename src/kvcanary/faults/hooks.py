@@ -1,8 +1,9 @@
 """``FaultHooks``: an ``EngineHooks`` that runs faults around another set of hooks (the canary's).
 
 Within a step: ``before_forward`` runs every fault's ``before_forward`` and then the inner hooks'
-(sweep, HEAD's host half); ``forward_prologue`` / ``forward_epilogue`` reach the inner hooks only
-(HEAD and TAIL launches); ``after_forward`` runs the inner hooks' (step report) and then every
+(sweep, HEAD's host half); ``forward_prologue`` runs the inner hooks' (HEAD launch) and then every
+fault's ``after_head``; ``forward_epilogue`` every fault's ``before_tail`` and then the inner
+hooks' (TAIL launch); ``after_forward`` runs the inner hooks' (step report) and then every
 fault's ``after_forward`` (after handing them the violations the inner hooks reported for the forward,
 if any: ``on_report``); ``on_offload`` / ``on_load`` / ``on_free`` reach the inner hooks, then the
 faults (so their injections follow moved slots). ``after_step`` goes to the inner hooks only.
@@ -49,8 +50,12 @@ class FaultHooks(EngineHooks):
 
     def forward_prologue(self, batch: ForwardBatch) -> None:
         self.inner.forward_prologue(batch)
+        for fault in self.faults:
+            fault.after_head(batch, self.engine.step_index)
 
     def forward_epilogue(self, batch: ForwardBatch) -> None:
+        for fault in self.faults:
+            fault.before_tail(batch, self.engine.step_index)
         self.inner.forward_epilogue(batch)
 
     def after_forward(self, batch: ForwardBatch) -> None:

@@ -12,6 +12,8 @@ elsewhere). Every op is exported here under its public name; the modules are int
 | fingerprint             | fingerprint.py | hash the K/V bytes of slots, from one or more KV sources     |
 | check_forward           | check.py       | HEAD or TAIL as one fused launch (plan + verify + stamp)     |
 | check_writes            | conflicts.py   | HEAD's write conflicts: duplicate targets, targets read/held |
+| mark_writes             | landed.py      | HEAD: mark the covered bytes of every write target           |
+| check_writes_landed     | landed.py      | TAIL: name the write targets that still hold their mark      |
 
 Every op that writes records or reports takes ``state=``, one ``DeviceState`` (state.py: records,
 violation ring and counter, stats, error flags, workspaces), allocated by ``DeviceState.allocate``.
@@ -24,6 +26,7 @@ from kvcanary.ops.check import check_forward
 from kvcanary.ops.conflicts import check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import offsets_from_lengths, scatter_req_token_ids
 from kvcanary.ops.stamp import stamp
@@ -42,8 +45,10 @@ __all__ = [
     "build_plan",
     "check_forward",
     "check_writes",
+    "check_writes_landed",
     "fingerprint",
     "gather_expected_tokens",
+    "mark_writes",
     "offsets_from_lengths",
     "scatter_req_token_ids",
     "stamp",

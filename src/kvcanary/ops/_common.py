@@ -3,7 +3,9 @@
 Every public op validates dtypes, ranks and devices always, validates values only when the
 tensors live on the host (no device sync on the hot path), then dispatches: Triton on CUDA,
 vectorised torch on CPU. ``backend=Backend.TRITON`` forces the kernel, which tests use on CPU
-tensors under ``TRITON_INTERPRET=1``.
+tensors under ``TRITON_INTERPRET=1``. ``check_forward``, ``verify`` and ``scatter_req_token_ids``
+also have a compiled CPU kernel (``Backend.NUMBA``, ``ops._cpu``), their CPU default where numba
+is installed and imports.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class Backend(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    NUMBA = "numba"  # the compiled CPU kernels of ops._cpu (check_forward, verify, scatter_req_token_ids)
 
 
 def use_triton(backend: Backend, device: torch.device) -> bool:
-    if backend is Backend.TORCH:
+    if backend in (Backend.TORCH, Backend.NUMBA):
         return False
     if backend is Backend.TRITON or device.type == "cuda":
         if not HAS_TRITON:
@@ -147,3 +150,41 @@ def num_bits(n: int) -> int:
 def searchsorted_right(sorted_ends: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Count of entries of ``sorted_ends`` that are <= each value (the owning segment index)."""
     return torch.searchsorted(sorted_ends.contiguous(), values.contiguous(), right=True)
+
+
+class Validated:
+    """The inputs that last passed a validation, per key (a DeviceState): the same tensors (the
+    same objects, or views of the same base, e.g. ``truth_lens[:bs]`` again), unchanged since
+    (address, shape, strides and torch's in-place version counter), with the same other
+    arguments, pass again without their checks. HEAD and TAIL of one forward get the same batch
+    tensors: the batch is validated once. Holds the tensors (or bases) it remembers, so their
+    memory cannot be handed to a new tensor while remembered; at most ``size`` keys."""
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._last: dict[int, tuple] = {}
+
+    @staticmethod
+    def _stamp(t) -> tuple | None:
+        if t is None:
+            return None
+        base = t._base
+        return (t if base is None else base, t._version, t.data_ptr(), t.shape, t.stride())
+
+    def seen(self, owner, tensors: tuple, scalars: tuple) -> bool:
+        last = self._last.get(id(owner))
+        if last is None or last[0] is not owner or last[1] != scalars or len(last[2]) != len(tensors):
+            return False
+        for t, was in zip(tensors, last[2], strict=True):
+            now = self._stamp(t)
+            if now is None or was is None:
+                if now is not was:
+                    return False
+            elif now[0] is not was[0] or now[1:] != was[1:]:
+                return False
+        return True
+
+    def remember(self, owner, tensors: tuple, scalars: tuple) -> None:
+        if len(self._last) >= self._size and id(owner) not in self._last:
+            self._last.clear()
+        self._last[id(owner)] = (owner, scalars, tuple(self._stamp(t) for t in tensors))

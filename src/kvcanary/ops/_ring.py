@@ -28,7 +28,8 @@ def validate_ring(state, tag: int) -> int:
 
 
 def append_violations_torch(ring, ring_counter, bad, tag, cols: list[torch.Tensor]) -> None:
-    """Torch twin of ``_jit.append_violations``: rows in lane order after the current count."""
+    """Torch twin of ``_jit.append_violations``: rows in lane order after the current count;
+    ``tag`` is one int or an int64 tensor of a tag per lane."""
     idx = torch.nonzero(bad).flatten()
     k = idx.numel()
     if k == 0:
@@ -36,7 +37,9 @@ def append_violations_torch(ring, ring_counter, bad, tag, cols: list[torch.Tenso
     base = int(ring_counter[0])
     keep = max(min(k, ring.shape[0] - base), 0) if base >= 0 else 0
     if keep:
-        rows = torch.stack([torch.full((k,), int(tag), dtype=torch.int64, device=ring.device)]
+        tags = tag[idx].to(torch.int64) if isinstance(tag, torch.Tensor) else \
+            torch.full((k,), int(tag), dtype=torch.int64, device=ring.device)
+        rows = torch.stack([tags]
                            + [c[idx].to(torch.int64) for c in cols], dim=1)
         ring[base: base + keep] = rows[:keep]
     ring_counter += k

@@ -1,11 +1,12 @@
 """check_forward: a whole HEAD or TAIL of one forward in a single launch, straight from the page table.
 
 HEAD (``stamp=True``) = ``build_plan`` + ``verify`` + ``check_writes`` + ``gather_expected_tokens`` +
-``stamp``;
-TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``fingerprint(record=True)``
-of the written slots (translated through ``lut``). The results are those of that sequence, byte
-for byte (rows in the ring in any order), with one difference: there is no plan, so nothing
-overflows and every prefix entry is checked whatever its count.
+``stamp`` + ``mark_writes`` into the sources (HEAD reads no K/V: its verify checks no fingerprint);
+TAIL (``stamp=False``) = ``build_plan`` + ``verify`` with fingerprints + ``check_writes_landed`` +
+``fingerprint(record=True)`` of the written slots that landed (translated through ``lut``). The
+results are those of that sequence, byte for byte (rows in the ring in any order), with one
+difference: there is no plan, so nothing overflows and every prefix entry is checked whatever
+its count.
 
 | argument          | dtype / shape        | meaning                                               |
 |-------------------|----------------------|-------------------------------------------------------|
@@ -40,8 +41,10 @@ import torch
 
 from kvcanary.core.record import LaunchPoint, record_words
 from kvcanary.errors import InputError, InputTypeError
+from kvcanary.ops import _cpu
 from kvcanary.ops._common import (
     Backend,
+    Validated,
     cdiv,
     check_contiguous,
     check_len,
@@ -53,6 +56,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
+from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import find_segment, link64, seg_add
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
@@ -61,11 +65,13 @@ from kvcanary.ops.fingerprint import (
     block_words,
     fingerprint,
     fold_sources,
+    source_halves,
     source_words,
     validate_meta,
     validate_sources,
 )
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
@@ -78,33 +84,57 @@ TARGET_PROGRAMS = 1024
 _SYNC_TICKET, _SYNC_PRE_DONE, _SYNC_FINISHED, _SYNC_EPOCH = range(4)
 
 
+_VALIDATED = Validated()  # the batch a state last checked: its TAIL skips what its HEAD checked
+
+
 def validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                    out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode):
     tag = validate_ring(state, tag)
     canary = state.records
     if not isinstance(mode, FingerprintMode):
         raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
-    for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
-        check_tensor(name, t, torch.int64, 1)
-    n = input_ids.shape[0]
-    check_len("positions", positions, n, "len(input_ids)")
-    check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
-    validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
-    device = check_same_device(records=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
-                               positions=positions, out_cache_loc=out_cache_loc)
-    if is_host(extend_lens) and int(extend_lens.sum()) != n:
-        raise InputError(f"extend_lens sum {int(extend_lens.sum())} != len(input_ids) ({n})")
-    validate_sources(sources, canary.shape[0], device)
+    batch = (req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions, out_cache_loc, truth,
+             truth_lens, lut)
+    if not _VALIDATED.seen(state, batch, (window,)):
+        _validate_forward(canary, *batch, window)
+        _VALIDATED.remember(state, batch, (window,))
+    validate_sources(sources, canary.shape[0], state.device)
     workspace = state.workspace(LaunchPoint.HEAD if stamp else LaunchPoint.TAIL)
     if workspace is not None:
         bs = req_pool_indices.shape[0]
         if workspace.max_bs < bs:
             raise InputError(f"state workspace max_bs {workspace.max_bs} < bs ({bs}); allocate the state with "
                              "DeviceState.allocate(..., max_bs=...) of at least the batch size")
+        n = input_ids.shape[0]
         if workspace.max_tokens < n:
             raise InputError(f"state workspace max_tokens {workspace.max_tokens} < len(input_ids) ({n}); allocate "
                              "the state with DeviceState.allocate(..., max_tokens=...) of at least the tokens written")
     return tag, workspace
+
+
+def _validate_forward(canary, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                      out_cache_loc, truth, truth_lens, lut, window) -> None:
+    """The batch's checks: dtypes, shapes, devices, layouts; on the host its values."""
+    for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+        check_tensor(name, t, torch.int64, 1)
+    n = input_ids.shape[0]
+    check_len("positions", positions, n, "len(input_ids)")
+    check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
+    validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, truth, truth_lens, lut, window)
+    check_same_device(records=canary, req_pool_indices=req_pool_indices, input_ids=input_ids,
+                      positions=positions, out_cache_loc=out_cache_loc)
+    if is_host(extend_lens):
+        total = int(extend_lens.numpy().sum())
+        if total != n:
+            raise InputError(f"extend_lens sum {total} != len(input_ids) ({n})")
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
+                    ("extend_lens", extend_lens), ("input_ids", input_ids), ("positions", positions),
+                    ("out_cache_loc", out_cache_loc), ("truth_lens", truth_lens), ("lut", lut)):
+        if t is not None:
+            check_contiguous(name, t)
+    for name, t in (("req_to_token", req_to_token), ("truth", truth)):
+        if t is not None and t.numel() and t.stride(1) != 1:
+            raise InputError(f"{name} must have unit column stride, got strides {t.stride()}")
 
 
 # --- torch path: the sequence of ops it replaces -----------------------------------------------
@@ -120,7 +150,8 @@ def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth
     plan = Plan.allocate(max(entries, 1), max(bs, 1), canary.device)
     build_plan(req_pool_indices=rpi, prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=rtt, plan=plan,
                truth=truth, truth_lens=truth_lens, lut=lut, window=window, backend=Backend.TORCH)
-    verify(state=state, plan=plan, tag=tag, sources=sources, mode=mode, meta=meta, backend=Backend.TORCH)
+    verify(state=state, plan=plan, tag=tag, sources=() if stamp else sources, mode=mode, meta=meta,
+           backend=Backend.TORCH)
     woff = plan.write_offsets[: bs + 1]
     if stamp:
         check_writes(state=state, plan=plan, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
@@ -133,9 +164,13 @@ def _check_torch(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth
         stamp_op(state=state, out_cache_loc=loc, input_ids=ids, positions=pos, req_pool_indices=rpi,
                  prefix_lens=prefix_lens, write_offsets=woff, seed=plan.seed[:bs], tag=tag, expected_tokens=expected,
                  lut=lut, backend=Backend.TORCH)
+        mark_writes(state=state, out_cache_loc=loc, sources=sources, lut=lut, backend=Backend.TORCH)
     elif sources:
-        fingerprint(slots=_translate_torch(loc, lut), sources=sources, mode=mode, state=state, record=True,
-                    meta=meta, backend=Backend.TORCH)
+        landed = check_writes_landed(state=state, out_cache_loc=loc, input_ids=ids, positions=pos, sources=sources,
+                                     tag=tag, lut=lut, backend=Backend.TORCH)
+        slots = _translate_torch(loc, lut)
+        fingerprint(slots=torch.where(landed, slots, torch.zeros_like(slots)), sources=sources, mode=mode,
+                    state=state, record=True, meta=meta, backend=Backend.TORCH)
 
 
 # --- Triton kernel -------------------------------------------------------------------------------
@@ -163,7 +198,8 @@ def _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_p
 
 @triton.jit
 def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                    marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r, s, split, rows,
+                    marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves, r, s,
+                    split, rows,
                     max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
                     HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_W: tl.constexpr, MARK: tl.constexpr):
@@ -198,9 +234,9 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         if HAS_TRUTH:
             known = m & (p < tlen) & (p < truth_width)
             etok = tl.load(truth_ptr + row * truth_stride + p, mask=known, other=-1).to(tl.int64)
-        checked += check_entries(words_ptr, slot, pred, p, etok, entry, tl.zeros_like(p) + row, m, num_slots,
-                                 ring_ptr, counter_ptr, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                                 NUM_SOURCES, BLOCK, BLOCK_W)
+        checked += check_entries(words_ptr, tags_ptr, slot, pred, p, etok, entry, tl.zeros_like(p) + row, m,
+                                 num_slots, ring_ptr, counter_ptr, ring_cap, tag, halves, w0_ptr, w1_ptr, w2_ptr,
+                                 w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
 
 
@@ -246,11 +282,14 @@ def _look_back(sum_ptr, flag_ptr, b, epoch4, max_spins):
 def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
                  marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr,
                  w0_ptr, w1_ptr,
-                 w2_ptr, w3_ptr, meta_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride, truth_width,
+                 w2_ptr, w3_ptr, meta_ptr, tags_ptr, w, epoch4, max_spins, n, bs, rows, lut_len, truth_stride,
+                 truth_width,
                  num_slots, ring_cap, tag, STAMP: tl.constexpr, HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr,
-                 NUM_SOURCES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                 NUM_SOURCES: tl.constexpr, HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_W: tl.constexpr):
     """HEAD: stamp written tokens [w*BLOCK, (w+1)*BLOCK) (``stamp`` with ``gather``'s expected
-    tokens); TAIL: record their fingerprints. A look-back that gives up (a stale workspace) raises
+    tokens) and mark their slots in the sources; TAIL: check the marks are gone, then record the
+    fingerprints of the slots that landed. A look-back that gives up (a stale workspace) raises
     the WORKSPACE error flag and leaves its block unstamped and unpublished."""
     block_start = w * BLOCK
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -309,6 +348,9 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
                        ids, bs, num_slots, NBITS)
         stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, excl, loc, slot, row, exp_tok,
                     num_slots, ring_ptr, counter_ptr, ring_cap, stats_ptr, tag)
+        if NUM_SOURCES > 0:
+            mark_lanes(slot, live & (slot > 0) & (slot < num_slots), w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                       NUM_SOURCES)
     elif NUM_SOURCES > 0:
         for c in range(0, tl.minimum(n - block_start, BLOCK), 32):  # 32 rows at a time: a [32, BLOCK_W] tile
 
@@ -316,21 +358,28 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
             lc = tc < n
             slot = _translate(tl.load(loc_ptr + tc, mask=lc, other=0), lut_ptr, lut_len, HAS_LUT)
             ok = lc & (slot > 0) & (slot < num_slots)
-            h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
+            ok = ok & landed_lanes(slot, ok, tl.load(pos_ptr + tc, mask=lc, other=0), tl.load(ids_ptr + tc, mask=lc,
+                                                                                             other=0),
+                                   w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr, counter_ptr, ring_cap, tag,
+                                   NUM_SOURCES, HALVES)
+            h, tags = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, 32, BLOCK_W)
             tl.store(words_ptr + slot * 4 + 3, h.to(tl.int64, bitcast=True), mask=ok)
+            tl.store(tags_ptr + slot, tags.to(tl.int64, bitcast=True), mask=ok)
 
 
 # every integer argument varies with the batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
                                "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid",
-                               "max_spins", "n_held"])
+                               "max_spins", "n_held", "halves"])
 def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
                   pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
-                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, bs, rows,
+                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
+                  n, bs, rows,
                   max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, split,
                   n_verify, grid, max_spins, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
-                  HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr,
-                  NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+                  HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, VERIFY_SOURCES: tl.constexpr,
+                  HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
@@ -351,10 +400,11 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
     elif ticket <= n_verify:
         v = ticket - 1
         _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ring_ptr, counter_ptr,
-                        marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, v // split, v % split,
+                        marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
+                        v // split, v % split,
                         split, rows,
                         max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
-                        HAS_LUT, HAS_TRUTH, NUM_SOURCES, BLOCK_V, BLOCK_W, STAMP)
+                        HAS_LUT, HAS_TRUTH, VERIFY_SOURCES, BLOCK_V, BLOCK_W, STAMP)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
@@ -367,9 +417,10 @@ def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, 
             _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_ptr, truth_ptr, tlen_ptr,
                          marks_ptr, mkey, woff_ptr, seed_ptr, sum_ptr, flag_ptr, ring_ptr, counter_ptr, stats_ptr,
                          err_ptr, w0_ptr,
-                         w1_ptr, w2_ptr, w3_ptr, meta_ptr, ticket - 1 - n_verify, epoch4, max_spins, n, bs, rows,
+                         w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, ticket - 1 - n_verify, epoch4, max_spins, n,
+                         bs, rows,
                          lut_len, truth_stride, truth_width, num_slots, ring_cap, tag, STAMP, HAS_LUT, HAS_TRUTH,
-                         NUM_SOURCES, NBITS, BLOCK_T, BLOCK_W)
+                         NUM_SOURCES, HALVES, NBITS, BLOCK_T, BLOCK_W)
         else:  # the verifiers never all reported (or more did than exist): a stale workspace
             tl.atomic_or(err_ptr, 4)
     tl.debug_barrier()
@@ -405,7 +456,10 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     up and raises ``DeviceFlag.WORKSPACE`` in ``state.error`` (None: 2**24 on CUDA, seconds of
     waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits).
     HEAD also checks the write targets (``ops.conflicts``): ``marks`` is its scratch (allocated per
-    call when None, which is not capturable), ``held`` the idle prefix-cache slots."""
+    call when None, which is not capturable), ``held`` the idle prefix-cache slots. With
+    ``sources``, HEAD marks every write target in each source and TAIL reports the targets still
+    marked as MISSED_WRITE and records no fingerprint for them (``ops.landed``); HEAD checks no
+    fingerprint."""
     sources = list(sources) if mode is not FingerprintMode.NONE else []
     tag, workspace = validate_check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids,
                                     positions, out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources,
@@ -413,19 +467,15 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     device = state.device
     meta = validate_meta(meta, sources, mode, device)
     validate_marks(marks, held, state.num_slots, device)
-    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
-                    ("extend_lens", extend_lens), ("input_ids", input_ids), ("positions", positions),
-                    ("out_cache_loc", out_cache_loc), ("truth_lens", truth_lens), ("lut", lut)):
-        if t is not None:
-            check_contiguous(name, t)
-    for name, t in (("req_to_token", req_to_token), ("truth", truth)):
-        if t is not None and t.numel() and t.stride(1) != 1:
-            raise InputError(f"{name} must have unit column stride, got strides {t.stride()}")
     if split is not None and (isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= MAX_SPLIT):
         raise InputError(f"split {split!r} out of range [1, {MAX_SPLIT}]; pass None (verify_split) or a positive int")
     if max_spins is not None and (isinstance(max_spins, bool) or not isinstance(max_spins, int)
                                   or not 1 <= max_spins < 2**62):
         raise InputError(f"max_spins {max_spins!r} out of range [1, 2**62); pass None for the default")
+    if use_numba(backend, device):
+        _cpu.check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
+                   out_cache_loc, truth, truth_lens, lut, held if stamp else None, tag, stamp, sources, meta, window)
+        return
     if not use_triton(backend, device):
         _check_torch(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                      out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta,
@@ -439,7 +489,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         max_spins = 1 << 24 if device.type == "cuda" else 64
     if stamp and marks is None:
         marks = WriteMarks.allocate(state.num_slots, device)
-    fp_sources = sources
+    fp_sources = [] if stamp else sources  # HEAD verifies no fingerprint; it marks the write targets
     block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
         if fp_sources else 512
     if split is None:
@@ -447,7 +497,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     n_verify = bs * split
     # HEAD: 1024 tokens a program (the look-back scan); TAIL: 128 fingerprints a program (4 tiles of 32)
     block_t = WRITE_BLOCK if stamp else RECORD_BLOCK
-    n_write = cdiv(n, block_t) if (stamp or fp_sources) else 0
+    n_write = cdiv(n, block_t) if (stamp or sources) else 0
     grid = 1 + n_verify + n_write
     truth_t = truth if truth is not None else req_to_token
     _check_kernel[(grid,)](
@@ -456,11 +506,12 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         input_ids, positions, out_cache_loc, state.ring, state.ring_counter, state.stats, state.error,
         workspace.sync, workspace.write_offsets, workspace.seed, workspace.block_sum, workspace.block_flag,
         marks.words if stamp else workspace.sync, marks.epoch if stamp else workspace.sync,
-        held if stamp and held is not None else workspace.sync, *source_words(fp_sources, workspace.seed),
-        meta if meta is not None else workspace.sync,
+        held if stamp and held is not None else workspace.sync, *source_words(sources, workspace.seed),
+        meta if meta is not None else workspace.sync, state.source_tags, source_halves(fp_sources),
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
         held.shape[0] if stamp and held is not None else 0,
-        STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(fp_sources),
+        STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(sources),
+        VERIFY_SOURCES=len(fp_sources), HALVES=source_halves(sources),
         NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
         BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)

@@ -12,7 +12,12 @@ row) and is a sum, so every word is independent and a row is read at memory spee
     fp    = splitmix64(FP_SEED ^ sum_i splitmix64(acc_i + (i + 1) * GOLDEN))
 
 The sources are mixed independently and summed (not chained), so every source of every slot
-is folded in one vectorised pass.
+is folded in one vectorised pass. Recording a fingerprint also records the slot's side word
+(``DeviceState.source_tags``): the low 16 bits of each source's mixed part,
+``tags = sum_i (splitmix64(acc_i + (i + 1) * GOLDEN) & 0xFFFF) << 16i``. A verifier that finds a
+fingerprint mismatch compares the parts with the side word and names the differing sources in
+the row's tag column (``mismatch_tag``): ``tag' = (tag & ~1 | half of the first differing
+source) | mask << 8``, bit i of ``mask`` set when source i's part differs.
 
 A change inside one word changes acc by d * K_w with K_w odd, so any single-word change (every
 bit flip) is always caught; multi-word changes collide with probability about 2**-64.
@@ -27,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.core.hashing import GOLDEN, MASK64, to_signed
-from kvcanary.core.record import FINGERPRINT, Half, record_words
+from kvcanary.core.record import FINGERPRINT, SOURCE_MASK_SHIFT, SOURCE_TAG_BITS, Half, record_words
 from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
+    Validated,
     cdiv,
     check_contiguous,
     check_len,
@@ -140,8 +146,8 @@ def _word_keys(n: int, device) -> torch.Tensor:
     return (2 * w + 1) * to_signed(GOLDEN)
 
 
-def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> torch.Tensor:
-    """Fingerprint of each slot (int64[n]); slots must be valid (the caller masks)."""
+def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fingerprint, side word) of each slot (int64[n] each); slots must be valid (the caller masks)."""
     from kvcanary.core.hashing import splitmix64_torch
 
     s = slots.to(torch.int64)
@@ -156,8 +162,30 @@ def fingerprint_torch(slots: torch.Tensor, sources, mode: FingerprintMode) -> to
             words = src.words[base[:, None] + torch.arange(nw, device=s.device)[None, :]]
         accs.append(((words.to(torch.int64) & 0xFFFFFFFF) * _word_keys(nw, s.device)[None, :]).sum(dim=1))
     salts = torch.tensor([to_signed(((i + 1) * GOLDEN) & MASK64) for i in range(len(sources))], device=s.device)
-    mixed = splitmix64_torch(torch.stack(accs) + salts[:, None]).sum(dim=0)
-    return splitmix64_torch(mixed ^ to_signed(FP_SEED))
+    parts = splitmix64_torch(torch.stack(accs) + salts[:, None])
+    shifts = torch.arange(len(sources), dtype=torch.int64, device=s.device)[:, None] * SOURCE_TAG_BITS
+    tags = ((parts & 0xFFFF) << shifts).sum(dim=0)
+    return splitmix64_torch(parts.sum(dim=0) ^ to_signed(FP_SEED)), tags
+
+
+def source_halves(sources) -> int:
+    """Bit i set when source i is a V half (the kernels' ``halves`` argument)."""
+    return sum(int(src.half) << i for i, src in enumerate(sources))
+
+
+def mismatch_tag_torch(tag: int, fp_bad: torch.Tensor, stored_tags: torch.Tensor, exp_tags: torch.Tensor,
+                       sources) -> torch.Tensor:
+    """The tag column per lane (int64[n]): ``tag`` where the fingerprint matches, else the launch
+    tag with the half of the first differing source and the source mask above it (module doc)."""
+    diff = (stored_tags ^ exp_tags)
+    mask = torch.zeros_like(diff)
+    half = torch.full_like(diff, int(sources[0].half) if sources else 0)
+    for i in reversed(range(len(sources))):  # the lowest differing source wins
+        bad = ((diff >> (SOURCE_TAG_BITS * i)) & 0xFFFF) != 0
+        mask |= bad.to(torch.int64) << i
+        half = torch.where(bad, torch.full_like(half, int(sources[i].half)), half)
+    fp_tag = (tag & ~1) | half | (mask << SOURCE_MASK_SHIFT)
+    return torch.where(fp_bad, fp_tag, torch.full_like(fp_tag, tag))
 
 
 # --- triton --------------------------------------------------------------------------------
@@ -180,9 +208,10 @@ def _source_acc(words_ptr, slot, ok, page_size, page_stride_w, token_w, n_words,
 @triton.jit
 def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Fingerprint (uint64[BLOCK_S]) of ``slot`` lanes where ``ok``; ``meta_ptr`` holds per source
-    (page_size, page_stride_words, token_words, words_read) as int64[4, 4]."""
+    """(fingerprint, side word), uint64[BLOCK_S] each, of ``slot`` lanes where ``ok``; ``meta_ptr``
+    holds per source (page_size, page_stride_words, token_words, words_read) as int64[4, 4]."""
     total = tl.zeros((BLOCK_S,), dtype=tl.uint64)
+    tags = tl.zeros((BLOCK_S,), dtype=tl.uint64)
     for i in tl.static_range(NUM_SOURCES):
         ptr = w0_ptr
         if i == 1:
@@ -194,8 +223,26 @@ def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES
         acc = _source_acc(ptr, slot, ok, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1),
                           tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3), BLOCK_S, BLOCK_W)
         # (i + 1) * GOLDEN mod 2**64: from the second source on, the product no longer fits a uint64 constant
-        total += mix64(acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
-    return mix64(total ^ 0x66696E6765727072)
+        part = mix64(acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
+        total += part
+        tags |= (part & 0xFFFF) << (16 * i)
+    return mix64(total ^ 0x66696E6765727072), tags
+
+
+@triton.jit
+def mismatch_tag(tag, fp_bad, stored_tags, exp_tags, halves, NUM_SOURCES: tl.constexpr):
+    """Triton twin of ``mismatch_tag_torch``: ``halves`` has bit i set when source i is V;
+    ``stored_tags`` / ``exp_tags`` are uint64 lanes. Returns int64 lanes."""
+    diff = stored_tags ^ exp_tags
+    mask = tl.zeros_like(diff).to(tl.int64)
+    half = tl.zeros_like(mask) + (halves & 1)
+    found = tl.zeros_like(fp_bad)
+    for i in tl.static_range(NUM_SOURCES):
+        bad = ((diff >> (16 * i)) & 0xFFFF) != 0
+        mask |= bad.to(tl.int64) << i
+        half = tl.where(bad & (found == 0), (halves >> i) & 1, half)
+        found = found | bad
+    return tl.where(fp_bad, ((tag // 2) * 2) | half | (mask << 8), tl.zeros_like(mask) + tag)
 
 
 def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
@@ -222,11 +269,19 @@ def validate_meta(meta, sources, mode: FingerprintMode, device) -> torch.Tensor 
     if meta.device != device:
         raise InputError(f"meta is on {meta.device} but the state is on {device}")
     if is_host(meta):
+        # the table's values follow from these alone: an unchanged meta that matched them matches
+        shape = (mode, tuple((s.page_size, s.page_stride, s.bytes_per_token) for s in sources))
+        if _META_VALIDATED.seen(meta, (meta,), shape):
+            return meta
         want = source_meta(sources, mode, device)
         if not torch.equal(meta, want):
             raise InputError(f"meta {meta[:len(sources)].tolist()} != source_meta(sources, mode) "
                              f"{want[:len(sources)].tolist()}; rebuild it when the sources or the mode change")
+        _META_VALIDATED.remember(meta, (meta,), shape)
     return meta
+
+
+_META_VALIDATED = Validated()
 
 
 def block_words(sources, mode: FingerprintMode, cap: int = 128) -> int:
@@ -247,32 +302,35 @@ def source_words(sources, fallback: torch.Tensor) -> list[torch.Tensor]:
 
 
 @triton.jit
-def _fingerprint_kernel(slots_ptr, out_ptr, words_ptr, n, num_slots, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                        RECORD: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK_S: tl.constexpr,
+def _fingerprint_kernel(slots_ptr, out_ptr, words_ptr, tags_ptr, n, num_slots, w0_ptr, w1_ptr, w2_ptr, w3_ptr,
+                        meta_ptr, RECORD: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_W: tl.constexpr):
     """Program p fingerprints slots[p*BLOCK_S : (p+1)*BLOCK_S]; invalid slots (<= 0 or >= num_slots)
-    yield 0 and are not recorded. With RECORD, word 3 of each valid slot's record gets the value."""
+    yield 0 and are not recorded. With RECORD, word 3 of each valid slot's record gets the value
+    and its side word the sources' parts."""
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     live = i < n
     slot = tl.load(slots_ptr + i, mask=live, other=0)
     ok = live & (slot > 0) & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
-    h = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK_S, BLOCK_W)
+    h, tags = fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK_S, BLOCK_W)
     fp = tl.where(ok, h.to(tl.int64, bitcast=True), 0)
     tl.store(out_ptr + i, fp, mask=live)
     if RECORD:
         tl.store(words_ptr + slot * 4 + 3, fp, mask=ok)
+        tl.store(tags_ptr + slot, tags.to(tl.int64, bitcast=True), mask=ok)
 
 
 def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: DeviceState,
                 out: torch.Tensor | None = None, record: bool = False, meta: torch.Tensor | None = None,
                 backend: Backend = Backend.AUTO) -> torch.Tensor:
     """Fingerprint ``slots`` (int64[n]) into ``out`` (int64[n]); with ``record``, also store each
-    valid slot's value in its record of ``state.records``. Slots <= 0 or >= num_slots give 0 and
-    are skipped. Mode NONE writes zeros. ``meta`` may pass a preallocated table from
-    ``source_meta`` (CUDA graphs). Raises InputTypeError / InputError for wrong dtypes, shapes,
-    devices, sources or meta, before anything is written.
+    valid slot's value in its record of ``state.records`` and its side word in
+    ``state.source_tags``. Slots <= 0 or >= num_slots give 0 and are skipped. Mode NONE writes
+    zeros. ``meta`` may pass a preallocated table from ``source_meta`` (CUDA graphs). Raises
+    InputTypeError / InputError for wrong dtypes, shapes, devices, sources or meta, before
+    anything is written.
     """
     check_state(state)
     check_tensor("slots", slots, torch.int64, 1)
@@ -291,20 +349,24 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
         check_contiguous(name, t)
     n, num_slots = slots.shape[0], canary.shape[0]
     ok = None
-    if not sources:  # mode NONE: the recorded fingerprint is 0
+    tags = None
+    if not sources:  # mode NONE: the recorded fingerprint (and side word) is 0
         out.zero_()
+        tags = torch.zeros_like(out)
     elif use_triton(backend, device):
         block_w = block_words(sources, mode)
         block_s = 32 if block_w > 4 else 128
         _fingerprint_kernel[(max(cdiv(n, block_s), 1),)](
-            slots, out, record_words(canary), n, num_slots, *source_words(sources, slots), meta, RECORD=record,
+            slots, out, record_words(canary), state.source_tags, n, num_slots, *source_words(sources, slots), meta,
+            RECORD=record,
             NUM_SOURCES=len(sources), BLOCK_S=block_s, BLOCK_W=block_w, num_warps=8 if block_w > 4 else 4)
         return out
     else:
         ok = (slots > 0) & (slots < num_slots)
-        fp = fingerprint_torch(torch.where(ok, slots, torch.zeros_like(slots)), sources, mode)
+        fp, tags = fingerprint_torch(torch.where(ok, slots, torch.zeros_like(slots)), sources, mode)
         out.copy_(torch.where(ok, fp, torch.zeros_like(fp)))
     if record:
         ok = (slots > 0) & (slots < num_slots) if ok is None else ok
         record_words(canary)[slots[ok], FINGERPRINT] = out[ok]
+        state.source_tags[slots[ok]] = tags[ok]
     return out

@@ -8,9 +8,11 @@
 | stats        | int64[NUM_LAUNCH_TAGS, NUM_STATS]| launches, slots checked, slots stamped per tag   |
 | error        | int32[1]                         | device error flags (``DeviceFlag``), OR-ed in    |
 | workspaces   | () or (HEAD, TAIL) ``Workspace`` | scratch of ``check_forward``, one per launch point |
+| source_tags  | int64[num_slots]                 | per slot, 16 bits of each source's fingerprint part (core.record) |
 
 The runtime allocates one per pool (``DeviceState.allocate``); tests and benchmarks may build one
-from their own tensors (``DeviceState(records, ring, ring_counter, stats)``). The constructor
+from their own tensors (``DeviceState(records, ring, ring_counter, stats)``; ``source_tags`` is
+then allocated zeroed). The constructor
 validates every buffer once (dtype, shape, contiguity, device, no two buffers sharing bytes);
 each op then calls ``check()``, which only compares the buffers' addresses and shapes with
 those seen at construction, so the hot path stays cheap. Kernels never raise: a wait that hit
@@ -112,15 +114,19 @@ class DeviceState:
     stats: torch.Tensor
     error: torch.Tensor | None = None  # int32[1]; allocated (zeroed) when None
     workspaces: tuple[Workspace, ...] = ()  # () or (HEAD, TAIL); () makes check_forward allocate per call
+    source_tags: torch.Tensor | None = None  # int64[num_slots]; allocated (zeroed) when None
     _key: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
+        dev = self.records.device if isinstance(self.records, torch.Tensor) else "cpu"
         if self.error is None:
-            dev = self.records.device if isinstance(self.records, torch.Tensor) else "cpu"
             object.__setattr__(self, "error", torch.zeros(1, dtype=torch.int32, device=dev))
+        if self.source_tags is None:
+            num_slots = self.records.shape[0] if isinstance(self.records, torch.Tensor) and self.records.dim() else 0
+            object.__setattr__(self, "source_tags", torch.zeros(num_slots, dtype=torch.int64, device=dev))
         object.__setattr__(self, "workspaces", tuple(self.workspaces))
         self._validate()
-        object.__setattr__(self, "_key", _layout(self._tensors()[:5]))
+        object.__setattr__(self, "_key", _layout(self._tensors()[:6]))
 
     @classmethod
     def allocate(cls, num_slots: int, *, ring_capacity: int = 4096, max_bs: int = 1, max_tokens: int = 1,
@@ -135,10 +141,11 @@ class DeviceState:
         return cls(torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8, device=device),
                    torch.full((ring_capacity, VIOLATION_ROW_WIDTH), -1, dtype=torch.int64, device=device),
                    block[:1], block[1:-1].view(NUM_LAUNCH_TAGS, NUM_STATS), block[-1:].view(torch.int32)[:1],
-                   tuple(Workspace.allocate(max_bs, max_tokens, device) for _ in (LaunchPoint.HEAD, LaunchPoint.TAIL)))
+                   tuple(Workspace.allocate(max_bs, max_tokens, device) for _ in (LaunchPoint.HEAD, LaunchPoint.TAIL)),
+                   torch.zeros(num_slots, dtype=torch.int64, device=device))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        out = (self.records, self.ring, self.ring_counter, self.stats, self.error)
+        out = (self.records, self.ring, self.ring_counter, self.stats, self.error, self.source_tags)
         for ws in self.workspaces:
             out += ws.tensors()
         return out
@@ -148,7 +155,8 @@ class DeviceState:
                   ("ring", torch.int64, (None, VIOLATION_ROW_WIDTH), f"int64[capacity, {VIOLATION_ROW_WIDTH}]"),
                   ("ring_counter", torch.int64, (1,), "int64[1]"),
                   ("stats", torch.int64, (NUM_LAUNCH_TAGS, NUM_STATS), f"int64[{NUM_LAUNCH_TAGS}, {NUM_STATS}]"),
-                  ("error", torch.int32, (1,), "int32[1]"))
+                  ("error", torch.int32, (1,), "int32[1]"),
+                  ("source_tags", torch.int64, (None,), "int64[num_slots]"))
         for name, dtype, shape, what in shapes:
             t = check_tensor(f"state.{name}", getattr(self, name), dtype, len(shape))
             if any(w is not None and s != w for s, w in zip(t.shape, shape, strict=True)):
@@ -159,6 +167,9 @@ class DeviceState:
                                  f"pass {name}.contiguous() (the kernels write it in place)")
             if t.device != self.records.device:
                 raise InputError(f"state.{name} is on {t.device} but state.records is on {self.records.device}")
+        if self.source_tags.shape[0] != self.records.shape[0]:
+            raise InputError(f"state.source_tags length {self.source_tags.shape[0]} != num_slots "
+                             f"({self.records.shape[0]}); one side word per record")
         if self.records.shape[0] < 2:
             raise InputError(f"state.records has {self.records.shape[0]} slots < 2; slot 0 is reserved")
         if self.ring.shape[0] < 1:
@@ -183,7 +194,7 @@ class DeviceState:
                 reach, owner = end, i
 
     def _name(self, i: int) -> str:
-        names = ["records", "ring", "ring_counter", "stats", "error"]
+        names = ["records", "ring", "ring_counter", "stats", "error", "source_tags"]
         for k in range(len(self.workspaces)):
             names += [f"workspaces[{k}].{f}" for f in ("sync", "write_offsets", "seed", "block_sum", "block_flag")]
         return names[i]
@@ -191,7 +202,7 @@ class DeviceState:
     def check(self) -> None:
         """The per-call check: the same buffers (addresses, shapes) as validated at construction.
         The workspaces are checked against the batch by ``check_forward`` itself."""
-        if _layout((self.records, self.ring, self.ring_counter, self.stats, self.error)) != self._key:
+        if _layout((self.records, self.ring, self.ring_counter, self.stats, self.error, self.source_tags)) != self._key:
             raise InputError("state buffers were resized or replaced since the DeviceState was built; "
                              "build a new DeviceState")
 

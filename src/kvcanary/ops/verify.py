@@ -10,6 +10,9 @@ Entry e (slot, pred, position, token) with stored record (tok, pos, chain, fp) o
 | VERIFY_TOKEN | token != -1 and tok != token                                               |
 | FINGERPRINT  | sources given: fp != fingerprint of the slot's K/V bytes                   |
 
+A FINGERPRINT row's tag column names the sources whose part differs from the slot's side word
+(``fingerprint.mismatch_tag``); every other row carries ``tag`` as given.
+
 Slot 0 is skipped. A slot < 0 or >= num_slots (an unresolvable page-table entry: the plan's -1
 for the padding slot or an unmapped window slot, a negative or out-of-pool slot) is reported as
 BAD_ENTRY only: slot = the plan's ``entry``, stored position = the position, stored token = -1,
@@ -36,7 +39,9 @@ from kvcanary.core.record import (
     record_words,
 )
 from kvcanary.errors import InputTypeError
+from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
+from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import append_violations, link64
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
@@ -44,6 +49,9 @@ from kvcanary.ops.fingerprint import (
     block_words,
     fingerprint_torch,
     fold_sources,
+    mismatch_tag,
+    mismatch_tag_torch,
+    source_halves,
     source_words,
     validate_meta,
     validate_sources,
@@ -95,10 +103,13 @@ def _verify_torch(state, plan, tag, sources, mode):
     tok_bad = inside & (etok != -1) & (tok != etok)
     fp_bad = torch.zeros_like(inside)
     stored_fp = exp_fp = torch.zeros_like(slot)
+    row_tag = torch.full_like(slot, tag)
     if sources:
-        exp_fp = fingerprint_torch(torch.where(inside, slot, torch.ones_like(slot)), sources, mode)
+        safe = torch.where(inside, slot, torch.ones_like(slot))
+        exp_fp, exp_tags = fingerprint_torch(safe, sources, mode)
         stored_fp = rec[:, FINGERPRINT]
         fp_bad = inside & (stored_fp != exp_fp)
+        row_tag = mismatch_tag_torch(tag, fp_bad, state.source_tags[safe], exp_tags, sources)
     reasons = (chain_bad.to(torch.int64) * R_CHAIN + pos_bad.to(torch.int64) * R_POSITION
                + fp_bad.to(torch.int64) * R_FINGERPRINT + tok_bad.to(torch.int64) * R_TOKEN
                + wild.to(torch.int64) * R_BAD_ENTRY)
@@ -108,14 +119,14 @@ def _verify_torch(state, plan, tag, sources, mode):
     prow = plan.row[:m].to(torch.int64)
     cols = [torch.where(wild, entry, slot), torch.where(wild, epos, pos), tok, etok, torch.where(wild, prow, stored),
             torch.where(wild, slot, want), reasons]
-    append_violations_torch(ring, counter, reasons != 0, tag, cols)
+    append_violations_torch(ring, counter, reasons != 0, row_tag, cols)
     stats[tag, STAT_CHECKED] += live.sum()
 
 
 @triton.jit
-def check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr, counter_ptr, ring_cap, tag,
-                  w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
+def check_entries(words_ptr, tags_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr, counter_ptr,
+                  ring_cap, tag, halves, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """The checks of the module doc on BLOCK entries (int64 lanes; ``m`` masks the live ones):
     violations to the ring; returns the number of entries checked (slot != 0)."""
     live = m & (slot != 0)
@@ -137,12 +148,16 @@ def check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, 
     fp_bad = tl.zeros_like(inside)
     stored_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
     exp_fp = tl.zeros((BLOCK,), dtype=tl.uint64)
+    row_tag = tl.zeros((BLOCK,), dtype=tl.int64) + tag
     if NUM_SOURCES > 0:
         # lanes outside ``inside`` load nothing (masked): their address is never dereferenced (and a
         # select here once broke a layout pass of the sm_90 compiler)
-        exp_fp = fold_sources(slot, inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
+        exp_fp, exp_tags = fold_sources(slot, inside, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK,
+                                        BLOCK_W)
         stored_fp = tl.load(rec + 3, mask=inside, other=0).to(tl.uint64, bitcast=True)
         fp_bad = inside & (stored_fp != exp_fp)
+        stored_tags = tl.load(tags_ptr + tl.where(inside, slot, 0), mask=fp_bad, other=0).to(tl.uint64, bitcast=True)
+        row_tag = mismatch_tag(tag, fp_bad, stored_tags, exp_tags, halves, NUM_SOURCES)
     reasons = (chain_bad.to(tl.int64) * 1 + pos_bad.to(tl.int64) * 2 + fp_bad.to(tl.int64) * 4
                + tok_bad.to(tl.int64) * 32 + wild.to(tl.int64) * 64)
     stored = tl.where(chain_bad, chain, tl.where(pos_bad, pos.to(tl.uint64, bitcast=True),
@@ -151,16 +166,16 @@ def check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, 
                                                    tl.where(fp_bad, exp_fp, etok.to(tl.uint64, bitcast=True))))
     stored = tl.where(wild, prow.to(tl.uint64, bitcast=True), stored)
     want = tl.where(wild, slot.to(tl.uint64, bitcast=True), want)
-    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, tag, tl.where(wild, entry, slot),
+    append_violations(ring_ptr, counter_ptr, ring_cap, reasons != 0, row_tag, tl.where(wild, entry, slot),
                       tl.where(wild, epos, pos), tok, etok, stored, want, reasons)
     return tl.sum(live.to(tl.int64), 0)
 
 
 @triton.jit
-def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, row_ptr, count_ptr, enable_ptr,
-                   ring_ptr, counter_ptr,
-                   stats_ptr, cap, num_slots, ring_cap, tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
-                   NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+def _verify_kernel(words_ptr, tags_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, row_ptr, count_ptr,
+                   enable_ptr, ring_ptr, counter_ptr, stats_ptr, cap, num_slots, ring_cap, tag, halves, w0_ptr,
+                   w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
     """Persistent grid: program p checks entries p*BLOCK + k*nprog*BLOCK + [0, BLOCK) below
     min(count, cap) (none when enable is 0); each lane gathers its record and its predecessor's."""
     pid = tl.program_id(0).to(tl.int64)
@@ -178,9 +193,9 @@ def _verify_kernel(words_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, r
         etok = tl.load(tok_ptr + e, mask=m, other=-1).to(tl.int64)
         entry = tl.load(entry_ptr + e, mask=m, other=0).to(tl.int64)
         prow = tl.load(row_ptr + e, mask=m, other=0).to(tl.int64)
-        checked += check_entries(words_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr, counter_ptr,
-        ring_cap,
-                                 tag, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES, BLOCK, BLOCK_W)
+        checked += check_entries(words_ptr, tags_ptr, slot, pred, epos, etok, entry, prow, m, num_slots, ring_ptr,
+                                 counter_ptr, ring_cap, tag, halves, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr,
+                                 NUM_SOURCES, BLOCK, BLOCK_W)
     tl.atomic_add(stats_ptr + tag * 3 + 1, checked, mask=checked > 0)
     if pid == 0:
         tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
@@ -196,15 +211,17 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
     device = state.device
     meta = validate_meta(meta, sources, mode, device)
     check_programs(max_programs)
-    if use_triton(backend, device):
+    if use_numba(backend, device):
+        _cpu.verify(state, plan, tag, sources, meta)
+    elif use_triton(backend, device):
         canary, ring = state.records, state.ring
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
         _verify_kernel[(grid,)](
-            record_words(canary), plan.slot, plan.pred, plan.position, plan.token, plan.entry, plan.row, plan.count,
-            plan.enable, ring,
-            state.ring_counter, state.stats, plan.capacity, canary.shape[0], ring.shape[0], tag,
+            record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token, plan.entry,
+            plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats, plan.capacity, canary.shape[0],
+            ring.shape[0], tag, source_halves(sources),
             *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
             BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4, num_warps=4)
     else:

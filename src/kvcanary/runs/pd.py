@@ -19,9 +19,10 @@ from kvcanary.engine.canary_hooks import CanaryHooks
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.pd import KVTransfer, TransferHooks
 from kvcanary.runs.driver import Driver, Progress, RunCounts, StepCounts
-from kvcanary.runs.report import CanaryCounts, RunReport, first_violations, injections_json
+from kvcanary.runs.report import CanaryCounts, RunReport, first_violations, injections_json, merge_incidents
 from kvcanary.runs.setup import OptionError, RunSetup
-from kvcanary.runs.single import STOPPING, config_json, engine_factory, instrument
+from kvcanary.runs.single import STOPPING, canaries, config_json, engine_factory, instrument
+from kvcanary.runtime.incidents import incidents_report
 from kvcanary.runtime.reporting import Violation
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def run_pd_once(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progres
 def _side_report(side: Side, steps: StepCounts) -> RunReport:
     counts = RunCounts(decode=steps)
     return RunReport(counts=counts, canary=CanaryCounts.of([side.hooks.canary], side.violations, side.alarms),
-                     engine=side.engine.stats.as_dict(), config={}, first_violations=first_violations(side.violations))
+                     engine=side.engine.stats.as_dict(), config={}, first_violations=first_violations(side.violations),
+                     incidents=incidents_report(canaries(side.hooks)))
 
 
 def report(setup: RunSetup, out: PDOutcome) -> RunReport:
@@ -102,7 +104,8 @@ def report(setup: RunSetup, out: PDOutcome) -> RunReport:
     return RunReport(counts=c, canary=CanaryCounts.merge([s.canary for s in sides.values()]), engine=engine,
                      config=config_json(setup, pd=True), wall_seconds=out.wall_seconds, stopped=out.error,
                      injections=injections_json(out.injections), first_violations=first_violations(violations),
-                     sides=sides, transfer=dataclasses.asdict(out.transfer.stats))
+                     sides=sides, transfer=dataclasses.asdict(out.transfer.stats),
+                     incidents=merge_incidents([({"side": name}, s.incidents) for name, s in sides.items()]))
 
 
 def run_pd(setup: RunSetup, faults: Sequence[Fault] = (), progress: Progress | None = None) -> RunReport:

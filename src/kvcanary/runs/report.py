@@ -9,6 +9,9 @@ attachments; ``RunReport.to_json()`` is the JSON of ``kv-canary run --report``.
 | sides        | ``CanaryCounts.merge``: summed (the sides step one after the other)           |
 | attachments  | ``CanaryCounts.merge``: summed                                                |
 | ranks        | ``CanaryCounts.merge(parallel=True)``: summed, seconds the largest            |
+
+Incidents (``runtime.incidents.incidents_report`` keys) merge over sides and ranks with
+``merge_incidents``: counts summed, the first incidents tagged with their side or rank.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.reporting import Violation
 
 FIRST_VIOLATIONS = 20  # violations the report carries in full
+FIRST_INCIDENTS = 20  # incidents the report carries in full
 
 
 def _add_nested(a: dict, b: dict) -> dict:
@@ -183,6 +187,26 @@ def first_violations(violations: Sequence[Violation]) -> list[dict]:
     return [v.to_json() for v in violations[:FIRST_VIOLATIONS]]
 
 
+def merge_incidents(parts: Sequence[tuple[dict, dict]]) -> dict:
+    """The incident keys over several engines: ``parts`` holds (tag, incident keys) per engine,
+    e.g. ({"side": "decode"}, ...) or ({"rank": 1}, ...); totals summed, by reason and by label
+    added up, the first incidents (by first step) tagged with their part's ``tag``."""
+    totals = Counter()
+    by_reason, by_label = Counter(), Counter()
+    for _, part in parts:
+        totals.update({k: part.get(k, 0) for k in ("incidents", "incidents_open", "redetections")})
+        by_reason.update(part.get("incidents_by_reason", {}))
+        for label in part.get("incidents_by_label", []):
+            by_label[label["reason"], label["launch_point"], label["pool"]] += label["incidents"]
+    first = sorted(({**tag, **i} for tag, part in parts for i in part.get("first_incidents", [])),
+                   key=lambda i: i["first_step"])
+    return {"incidents": totals["incidents"], "incidents_open": totals["incidents_open"],
+            "redetections": totals["redetections"], "incidents_by_reason": dict(sorted(by_reason.items())),
+            "incidents_by_label": [{"reason": r, "launch_point": p, "pool": pool, "incidents": n}
+                                   for (r, p, pool), n in sorted(by_label.items())],
+            "first_incidents": first[:FIRST_INCIDENTS]}
+
+
 def merge_ranks(ranks: Sequence[RunReport]) -> RunReport:
     """One report over the ranks: rank 0's workload counts and engine stats, the canaries' counts
     summed (seconds the largest), the first violations and injections tagged with their rank,
@@ -197,4 +221,5 @@ def merge_ranks(ranks: Sequence[RunReport]) -> RunReport:
         injections=[{"rank": r.rank.rank, **i} for r in ranks for i in r.injections],
         first_violations=[{"rank": r.rank.rank, **v} for r in ranks for v in r.first_violations][:FIRST_VIOLATIONS],
         timeline=first.timeline, window_pool=first.window_pool,
+        incidents=merge_incidents([({"rank": r.rank.rank}, r.incidents) for r in ranks]),
         ranks=[dataclasses.replace(r, rank=dataclasses.replace(r.rank, outputs=None)) for r in ranks])

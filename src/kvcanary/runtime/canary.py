@@ -8,10 +8,11 @@
 HEAD: scatter the token truth, build the plan, verify the prefix (identity), stamp the written
 slots. TAIL: verify the prefix again with fingerprints, record the written slots' fingerprints.
 SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
-carry their records: ``export_rows`` / ``import_rows``, and ``offload`` / ``load_back`` keep a
-host mirror for a host tier (``attach_host_tier`` first; load-back is verified at once). Violations
-are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
-``slots_freed`` so that a slot's incidents close when it is reused.
+carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: the record and its
+source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
+(``attach_host_tier`` first; load-back is verified at once). Violations are grouped into
+incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
+slot's incidents close when it is reused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import (
     RECORD_BYTES,
+    ROW_BYTES,
     STAT_CHECKED,
     STAT_STAMPED,
     LaunchPoint,
@@ -36,11 +38,12 @@ from kvcanary.core.record import (
     Reason,
 )
 from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
-from kvcanary.ops.backend import HAS_TRITON, Backend
+from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
+from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
 from kvcanary.ops.stamp import stamp
@@ -76,10 +79,11 @@ class Recovery:
     ``since_step`` is the first step whose forward could have read or written the damage: the
     earliest step whose checks reported it. Every slot a forward reads is verified at its HEAD
     and again at its TAIL, write targets are checked at HEAD (conflicts, bad entries) and at TAIL
-    (fingerprints), so damage is reported by the first forward that reads or writes it, in that
-    forward's own report. On the CPU that report is read before the step samples (nothing to
-    drop); on CUDA one step late, so an engine holds each token back until the report of its
-    step was read (``kvcanary.engine.delivery``). Bad entries name no slot to quarantine."""
+    (written at all: MISSED_WRITE; then fingerprinted), so damage is reported by the first
+    forward that reads or writes it, in that forward's own report. On the CPU that report is
+    read before the step samples (nothing to drop); on CUDA one step late, so an engine holds
+    each token back until the report of its step was read (``kvcanary.engine.delivery``). Bad
+    entries name no slot to quarantine."""
 
     requests: tuple
     slots: tuple[int, ...]
@@ -113,6 +117,17 @@ class CanaryTotals:
     seconds: float = 0.0
 
 
+def fused_backend(fused: bool | None, device: torch.device) -> Backend | None:
+    """Who runs HEAD and TAIL as one ``check_forward`` call each (``CanaryConfig.fused``): the Triton
+    kernel on CUDA (or, ``fused=True``, interpreted on the CPU), the compiled CPU kernel on the CPU
+    where numba serves; None (``fused=False``, or no kernel): the ops one by one."""
+    if fused is False:
+        return None
+    if device.type == "cuda" or fused:
+        return Backend.TRITON if HAS_TRITON else None
+    return Backend.NUMBA if cpu_kernels_usable() else None
+
+
 class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
                  pool: PoolKind = PoolKind.FULL, window: int = 0, warmup: bool = True):
@@ -128,11 +143,13 @@ class Canary:
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
-        # on CUDA, HEAD and TAIL are one launch each (check_forward); elsewhere the ops run one by one
-        self.fused = HAS_TRITON and (dev.type == "cuda" if config.fused is None else config.fused)
+        # HEAD and TAIL are one check_forward call each where a kernel serves; else the ops one by one
+        self.backend = fused_backend(config.fused, dev)
+        self.fused = self.backend is not None
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
-        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats, error=self.state.error,
+        self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
+                                 tuple((src.layer, src.half) for src in self.sources), error=self.state.error,
                                  block=self.state.counter_block())
         self.watchdog = Watchdog(config.watchdog_steps, periodic_sweeps=config.sweep_interval > 0)
         self.totals = CanaryTotals()
@@ -145,7 +162,11 @@ class Canary:
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
-        self.warmup_seconds = self.warmup() if warmup and dev.type == "cuda" else 0.0
+        self.warmup_seconds = 0.0
+        if warmup and dev.type == "cuda":
+            self.warmup()
+        elif warmup and self.backend is Backend.NUMBA:  # compiled once per machine, then loaded from disk
+            self.warmup_seconds = compile_cpu_kernels()
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile; runs on
@@ -166,7 +187,8 @@ class Canary:
         self.tail(batch)
 
     def head(self, b: ForwardBatch) -> None:
-        """Verify every prefix slot the batch reads, then stamp the slots it writes."""
+        """Verify every prefix slot the batch reads, then stamp the slots it writes and mark their
+        covered K/V bytes (TAIL requires the marks gone: MISSED_WRITE)."""
         if not self.config.enabled:
             return
         self.prepare_head(b)
@@ -222,8 +244,9 @@ class Canary:
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, lut=self._lut(b), window=self.window, marks=self.marks,
-                          held=self._held_now(), backend=Backend.TRITON)
+                          truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
+                          lut=self._lut(b), window=self.window, marks=self.marks, held=self._held_now(),
+                          backend=self.backend)
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
@@ -243,11 +266,13 @@ class Canary:
         stamp(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids, positions=b.positions,
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
               seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected, lut=self._lut(b))
+        mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
-        """Verify the prefix again (stray writes during the forward, fingerprints), then record
-        the fingerprints of the slots just written. Capturable on the fused (CUDA) path."""
+        """Verify the prefix again (stray writes during the forward, fingerprints), check every
+        write target was written (its HEAD mark gone), then record the fingerprints of the slots
+        just written. Capturable on the fused (CUDA) path."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
@@ -259,7 +284,7 @@ class Canary:
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
                           truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                          lut=self._lut(b), window=self.window, backend=Backend.TRITON)
+                          lut=self._lut(b), window=self.window, backend=self.backend)
             if self.publishing and torch.cuda.is_current_stream_capturing():
                 self.reporter.publish()  # each replay hands end_step its counters
             elif self._replays:
@@ -267,9 +292,12 @@ class Canary:
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
-            if self.sources:
-                fingerprint(slots=self._written(b), sources=self.sources, mode=self.config.real_kv,
-                            state=self.state, record=True, meta=self.meta)
+            if self.sources:  # a write target still marked gets no fingerprint (ops.landed)
+                landed = check_writes_landed(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids,
+                                             positions=b.positions, sources=self.sources, tag=tag, lut=self._lut(b))
+                written = self._written(b)
+                fingerprint(slots=torch.where(landed, written, torch.zeros_like(written)), sources=self.sources,
+                            mode=self.config.real_kv, state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
     def _held_now(self) -> torch.Tensor | None:
@@ -335,15 +363,29 @@ class Canary:
         return n
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """The records of ``slots`` (uint8[n, 32]) to travel with their K/V."""
-        records = self.state.records
-        return records[slots.to(records.device)].clone()
+        """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
+        source-tag side word) to travel with their K/V."""
+        index = slots.to(self.state.device)
+        tags = self.state.source_tags[index].view(torch.uint8).view(-1, ROW_BYTES - RECORD_BYTES)
+        return torch.cat([self.state.records[index], tags], dim=1)
+
+    def land_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows of ``export_rows`` into ``slots`` (records and side words), unverified.
+        Raises KVCanaryError for rows that are not uint8[len(slots), ROW_BYTES]."""
+        n = slots.numel()
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (n, ROW_BYTES):
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise KVCanaryError(f"rows must be uint8[{n}, {ROW_BYTES}] (one export_rows row per slot), got {got}; "
+                                "pass what export_rows gave")
+        dev = self.state.device
+        index, rows = slots.to(dev), rows.to(dev)
+        self.state.records[index] = rows[:, :RECORD_BYTES]
+        self.state.source_tags[index] = rows[:, RECORD_BYTES:].contiguous().view(torch.int64).view(-1)
 
     def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write records that travelled with K/V into ``slots`` (the stamps are content-only, so
-        they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
-        records = self.state.records
-        records[slots.to(records.device)] = rows.to(records.device)
+        """Write rows that travelled with K/V (``export_rows``) into ``slots`` (the stamps are
+        content-only, so they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
+        self.land_rows(slots, rows)
         self.incidents.note(self._meta.step, slots, "rewritten")
         self.verify_landed(slots)
 
@@ -363,7 +405,7 @@ class Canary:
         before the first ``offload``)."""
         if type(num_rows) is not int or num_rows < 1:
             raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
-        self.host_rows = torch.zeros(num_rows, RECORD_BYTES, dtype=torch.uint8,
+        self.host_rows = torch.zeros(num_rows, ROW_BYTES, dtype=torch.uint8,
                                      pin_memory=self.state.records.is_cuda)
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:

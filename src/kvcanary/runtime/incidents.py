@@ -65,7 +65,9 @@ class Incident:
         return {"id": self.id, "pool": self.pool.name, "slot": self.slot, "reasons": Reason.names(self.reasons),
                 "launch_point": self.point.name, "first_step": self.first.step, "last_step": self.last_step,
                 "detections": self.detections, "open": self.is_open, "closed_step": self.closed_step,
-                "closed_by": self.closed_by, "first_violation": self.first.to_json()}
+                "closed_by": self.closed_by, "tag": str(self.first.tag), "layer": self.first.layer,
+                "sources": [{"layer": layer, "half": half.name} for layer, half in self.first.sources],
+                "first_violation": self.first.to_json()}
 
 
 @dataclass

@@ -14,7 +14,9 @@ The violation line is frozen; parse it with ``VIOLATION_RE``::
     expected_token=-1 stored=0x1f... expected=0x9a... requests=7@5,9@5
 
 (one line; ``requests`` lists request@position pairs that read the slot, ``cache`` for an idle
-prefix-cache slot, empty when no owner is known).
+prefix-cache slot, empty when no owner is known). For a fingerprint failure the tag's half is
+that of the first KV source whose part of the fingerprint differs, and ``Violation.sources``
+lists every differing source's (layer, half); the JSON carries them as ``layer`` and ``sources``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind, Reason, ViolationRow, decode_rows, format_reasons
+from kvcanary.core.record import (
+    Half,
+    LaunchPoint,
+    LaunchTag,
+    PoolKind,
+    Reason,
+    ViolationRow,
+    decode_rows,
+    format_reasons,
+)
 from kvcanary.runtime.snapshots import CopyRows, Publication
 
 VIOLATION_RE = re.compile(
@@ -64,10 +75,16 @@ class Violation:
     stored_value: int
     expected_value: int
     owners: tuple[tuple[object, int], ...] = ()  # (request id or "cache", position)
+    sources: tuple[tuple[int, Half], ...] = ()  # (layer, half) of each KV source whose fingerprint part differs
 
     @property
     def point(self) -> LaunchPoint:
         return self.tag.point
+
+    @property
+    def layer(self) -> int | None:
+        """The layer of the first differing KV source; None when no source is named."""
+        return self.sources[0][0] if self.sources else None
 
     @property
     def requests(self) -> tuple:
@@ -87,7 +104,8 @@ class Violation:
                 "pool": self.tag.pool.name, "reasons": Reason.names(self.reasons), "slot": self.slot,
                 "position": self.position, "token": self.token, "expected_token": self.expected_token,
                 "stored_value": self.stored_value, "expected_value": self.expected_value,
-                "requests": [{"request": r, "position": p} for r, p in self.owners]}
+                "requests": [{"request": r, "position": p} for r, p in self.owners], "layer": self.layer,
+                "sources": [{"layer": layer, "half": half.name} for layer, half in self.sources]}
 
 
 @dataclass
@@ -158,9 +176,11 @@ class Reporter:
     replayed graph publishes them itself; otherwise ``snapshot`` copies them (one copy when
     ``block`` holds them back to back, as ``DeviceState.counter_block()``)."""
 
-    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *,
-                 error: torch.Tensor | None = None, block: torch.Tensor | None = None):
+    def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
+                 sources: tuple[tuple[int, Half], ...] = (), *, error: torch.Tensor | None = None,
+                 block: torch.Tensor | None = None):
         self.ring, self.counter, self.stats, self.error, self.block = ring, counter, stats, error, block
+        self.sources = tuple(sources)  # (layer, half) of the pool's KV sources, in the kernels' order
         self.is_cuda = ring.is_cuda
         self.lag = 1 if self.is_cuda else 0
         self._pending: deque[_Snapshot] = deque()
@@ -265,7 +285,12 @@ class Reporter:
         elif total >= cap:
             self._reset_next = True
         return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
-                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r)) for r in rows]
+                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r),
+                          self.differing_sources(r)) for r in rows]
+
+    def differing_sources(self, row: ViolationRow) -> tuple[tuple[int, Half], ...]:
+        """(layer, half) of the sources named by the row's source mask (unknown indices skipped)."""
+        return tuple(self.sources[i] for i in row.source_indices if i < len(self.sources))
 
     @property
     def dropped(self) -> int:
