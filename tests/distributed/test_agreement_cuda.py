@@ -45,7 +45,7 @@ def append_row(canary: Canary, point: LaunchPoint, reasons: Reason) -> None:
     state = canary.state
     i = int(state.ring_counter)
     state.ring[i, 0], state.ring[i, 7] = int(point) * 4, int(reasons)
-    state.ring_counter += 1
+    state.ring_counter.add_(1)
 
 
 @pytest.mark.usefixtures("nccl_group")

@@ -600,6 +600,6 @@ def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expecte
     plan.enable.fill_(enable)
     ring, counter = new_ring(32)
     stats = new_stats()
-    with_state(verify, canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=0, backend=backend)
-    assert int(counter[0]) == expected
-    assert int(stats[0, 1]) == expected and int(stats[0, 0]) == 1
+    args, _ = run_op(verify, backend, canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=0)
+    assert int(args["ring_counter"][0]) == expected
+    assert int(args["stats"][0, 1]) == expected and int(args["stats"][0, 0]) == 1

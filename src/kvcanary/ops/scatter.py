@@ -190,8 +190,8 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
         if lens_out.shape[0] < req_pool_indices.shape[0]:
             raise InputError(f"lens_out length {lens_out.shape[0]} < bs ({req_pool_indices.shape[0]}); "
                              "pass one int64 per request")
-    if lens_out is None and use_numba(backend, device):
-        _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag)
+    if use_numba(backend, device):
+        _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out)
         return error_flag
     scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out,
                       use_triton(backend, device))
