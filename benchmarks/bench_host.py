@@ -28,6 +28,7 @@ import time
 import torch
 
 from kvcanary import Canary, CanaryConfig, ForwardBatch, KVSource, PoolGeometry
+from kvcanary.bench.step_parts import write_covered
 from kvcanary.config import Policy
 from kvcanary.core.record import CHAIN, Half, record_words
 from kvcanary.ops.fingerprint import FingerprintMode
@@ -69,6 +70,7 @@ def build_case(bs: int, context: int, mode: FingerprintMode, truth: bool, gen: t
 
     fill, step = batch(0, context), batch(context, 1)
     canary.head(fill)
+    write_covered(canary, fill)  # the model's K/V writes: TAIL requires every write target written
     canary.tail(fill)
     canary.end_step(0)
     return canary, step, table
@@ -76,7 +78,8 @@ def build_case(bs: int, context: int, mode: FingerprintMode, truth: bool, gen: t
 
 def capture(canary: Canary, step: ForwardBatch, step_us: float) -> torch.cuda.CUDAGraph:
     cycles = int(step_us * 1.8e3)  # torch.cuda._sleep spins about this many cycles per µs
-    fns = [lambda: canary.launch_head(step), lambda: torch.cuda._sleep(cycles), lambda: canary.tail(step)]
+    fns = [lambda: canary.launch_head(step), lambda: write_covered(canary, step), lambda: torch.cuda._sleep(cycles),
+           lambda: canary.tail(step)]
     canary.prepare_head(step)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -182,6 +185,8 @@ def main() -> None:
             print(f"{case:<34}{kind:>10}{s(k['prepare_head']):>24}{s(k['end_step']):>24}{s(k['host']):>24}  "
                   f"{r['violations']:>5} {'caught' if r['tripwire'] else 'MISSED':>8} {r['publishing']} "
                   f"(fallbacks {r['publication_fallbacks']})")
+    if any(r["violations"] or not r["tripwire"] for r in rows):
+        raise SystemExit("a timed step reported a violation or a tripwire was missed")
 
 
 if __name__ == "__main__":
