@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvcanary.core.record import LaunchPoint, LaunchTag, Reason
+from kvcanary.core.record import Half, LaunchPoint, LaunchTag, Reason
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.errors import ConfigError
@@ -228,5 +228,6 @@ def test_wrong_layer_write_is_seen_only_from_a_covered_layer(from_layer, to_laye
         assert verdict.first_detection == "missed_write @ TAIL" and verdict.steps_to_detection == 0
         first = min(out.violations, key=lambda v: v.step)
         assert first.stored_value == 0b11  # both of layer 1's sources (K and V) still hold the mark
+        assert first.sources == ((1, Half.K), (1, Half.V)) and first.layer == 1
     else:
         assert out.violations == []

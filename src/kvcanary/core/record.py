@@ -95,6 +95,7 @@ class PoolKind(enum.IntEnum):
 
 NUM_LAUNCH_TAGS = len(LaunchPoint) * len(PoolKind) * len(Half)
 SOURCE_TAG_BITS = 16  # bits of each source's part in the side word
+_SOURCE_BITS = 0xFF  # a row names at most 8 sources (the kernels take 4)
 SOURCE_MASK_SHIFT = 8  # a violation row's tag column: launch tag | source mask << 8
 LAUNCH_TAG_MASK = (1 << SOURCE_MASK_SHIFT) - 1
 
@@ -185,8 +186,13 @@ class ViolationRow:
 
     @property
     def source_indices(self) -> tuple[int, ...]:
-        """Indices of the KV sources whose fingerprint part differs (``sources_mask``'s bits)."""
-        return tuple(i for i in range(self.sources_mask.bit_length()) if self.sources_mask >> i & 1)
+        """Indices of the KV sources the row names: for a FINGERPRINT failure those whose part
+        differs (``sources_mask``'s bits), for a MISSED_WRITE those still holding HEAD's mark
+        (``stored_value``'s bits)."""
+        mask = self.sources_mask
+        if not mask and self.reasons & Reason.MISSED_WRITE and self.stored_value > 0:
+            mask = self.stored_value & _SOURCE_BITS
+        return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
 def new_ring(capacity: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
