@@ -65,3 +65,16 @@ def append_violations(ring_ptr, counter_ptr, capacity, bad, tag, slot, stored_po
     tl.store(row + 5, stored_val.to(tl.int64, bitcast=True), mask=ok)
     tl.store(row + 6, expected_val.to(tl.int64, bitcast=True), mask=ok)
     tl.store(row + 7, reasons.to(tl.int64), mask=ok)
+
+
+@triton.jit
+def source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, INDEX: tl.constexpr):
+    """The words of KV source INDEX of the four a kernel takes (INDEX a compile-time index)."""
+    ptr = w0_ptr
+    if INDEX == 1:
+        ptr = w1_ptr
+    if INDEX == 2:
+        ptr = w2_ptr
+    if INDEX == 3:
+        ptr = w3_ptr
+    return ptr

@@ -47,7 +47,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
-from kvcanary.ops._jit import mix64
+from kvcanary.ops._jit import mix64, source_ptr
 from kvcanary.ops.state import DeviceState, check_state
 
 FP_SEED = 0x66696E6765727072  # "fingerpr"
@@ -213,15 +213,9 @@ def fold_sources(slot, ok, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES
     total = tl.zeros((BLOCK_S,), dtype=tl.uint64)
     tags = tl.zeros((BLOCK_S,), dtype=tl.uint64)
     for i in tl.static_range(NUM_SOURCES):
-        ptr = w0_ptr
-        if i == 1:
-            ptr = w1_ptr
-        if i == 2:
-            ptr = w2_ptr
-        if i == 3:
-            ptr = w3_ptr
-        acc = _source_acc(ptr, slot, ok, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1),
-                          tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3), BLOCK_S, BLOCK_W)
+        acc = _source_acc(source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, i), slot, ok, tl.load(meta_ptr + 4 * i),
+                          tl.load(meta_ptr + 4 * i + 1), tl.load(meta_ptr + 4 * i + 2), tl.load(meta_ptr + 4 * i + 3),
+                          BLOCK_S, BLOCK_W)
         # (i + 1) * GOLDEN mod 2**64: from the second source on, the product no longer fits a uint64 constant
         part = mix64(acc + (((i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
         total += part

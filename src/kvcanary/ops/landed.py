@@ -52,7 +52,7 @@ from kvcanary.ops._common import (
     triton,
     use_triton,
 )
-from kvcanary.ops._jit import append_violations, mix64
+from kvcanary.ops._jit import append_violations, mix64, source_ptr
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_sources
 from kvcanary.ops.plan import _translate, _translate_torch
@@ -148,19 +148,6 @@ def mark_words(slot):
 def _row_base(slot, meta_ptr, i):
     page = tl.load(meta_ptr + 4 * i)
     return (slot // page) * tl.load(meta_ptr + 4 * i + 1) + (slot % page) * tl.load(meta_ptr + 4 * i + 2)
-
-
-@triton.jit
-def source_ptr(w0_ptr, w1_ptr, w2_ptr, w3_ptr, INDEX: tl.constexpr):
-    """The words of source INDEX (a compile-time index; fold_sources picks its pointers the same way)."""
-    ptr = w0_ptr
-    if INDEX == 1:
-        ptr = w1_ptr
-    if INDEX == 2:
-        ptr = w2_ptr
-    if INDEX == 3:
-        ptr = w3_ptr
-    return ptr
 
 
 @triton.jit
