@@ -40,7 +40,11 @@ class CanaryConfig:
     0 = only at ``flush``).
     ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: the Triton kernel on CUDA,
     the compiled CPU kernel on the CPU where numba serves; True on the CPU runs the Triton kernel
-    there, which needs TRITON_INTERPRET=1 and is for tests; False: the ops one by one)."""
+    there, which needs TRITON_INTERPRET=1 and is for tests; False: the ops one by one).
+    ``overlap``: on CUDA with the fused kernel, run what need not be ordered with the model on a
+    side stream (HEAD's checks and stamps; TAIL, from ``Canary.start_tail``), joined where the
+    policy needs it (``Canary.tail`` under recompute and inside a graph capture; else by the next
+    canary call); HEAD's write marks stay ahead of the forward. False: both on the current stream."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL
@@ -53,6 +57,7 @@ class CanaryConfig:
     max_bs: int = 1024
     max_tokens: int = 1 << 20
     fused: bool | None = None
+    overlap: bool = True
     stats_period: int = 0
     truth: bool = True
     watchdog_window: int = 0

@@ -10,6 +10,12 @@ page table, the vocabulary product) in one CUDA graph, three ways, replayed inte
 | identity | ``Canary.launch_head``, the forward, ``Canary.tail`` (real-KV none) |
 | partial  | the same, real-KV partial over K and V of layers 0 and 31    |
 
+The canary runs HEAD's checks and TAIL on its side stream (``CanaryConfig.overlap``), TAIL started
+by ``Canary.start_tail`` once layer 31 (the last covered layer) has written and read its K/V.
+Compared beside them in the same run: partial with TAIL started after the forward (an engine with
+no hook inside its model), identity and partial with everything on one stream (overlap off), and
+``off_forked``: the canary-off forward with an empty side branch (what the graph's shape alone does).
+
 ``prepare_head`` (host-fed) runs outside the graphs. Each repeat times every mode once, in a
 rotating order, over batches of replays (CUDA events); figures are medians over repeats with
 their min-max spread, and ``on / off`` is the median of the per-repeat ratios. Each step is put
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +63,24 @@ SHAPES = (StepShape.decode(1, 512), StepShape.decode(1, 4096), StepShape.decode(
           StepShape.decode(256, 512), StepShape.decode(16, 32768), StepShape.prefill(16384, 1),
           StepShape.prefill(16384, 4))
 QUICK_SHAPES = (StepShape.decode(1, 512), StepShape.decode(64, 4096), StepShape.prefill(16384, 1))
-MODES = {"identity": FingerprintMode.NONE, "partial": FingerprintMode.PARTIAL}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A canary-on graph: its real-KV mode, whether the canary runs HEAD's checks and TAIL on a
+    side stream (``CanaryConfig.overlap``), and whether TAIL starts after the last covered layer's
+    attention (``Canary.start_tail``, inside the forward) rather than after the forward."""
+
+    real_kv: FingerprintMode
+    overlap: bool = True
+    early_tail: bool = True
+
+
+MODES = {"identity": Mode(FingerprintMode.NONE), "partial": Mode(FingerprintMode.PARTIAL)}
+# the same canary placed the ways an engine without an in-model hook (or with overlap off) places it
+COMPARED = {"partial_tail_at_end": Mode(FingerprintMode.PARTIAL, early_tail=False),
+            "partial_one_stream": Mode(FingerprintMode.PARTIAL, overlap=False),
+            "identity_one_stream": Mode(FingerprintMode.NONE, overlap=False)}
 
 
 def warmup_study(model: Decoder, sb: StepBatch, num_slots: int) -> dict:
@@ -84,11 +108,16 @@ def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: i
     sb = StepBatch(shape, num_pages, page_size, dev, gen, model.shape.vocab)
     attn = StepAttention(model.shape, sb.step, shape.kind == "decode", sb.held, shape.extend)
     logits = torch.empty(shape.bs, model.shape.vocab, dtype=model.dtype, device=dev)
-    canaries = {name: build_canary(model, sb, mode, num_slots)[0] for name, mode in MODES.items()}
+    modes = MODES | COMPARED
+    canaries = {name: build_canary(model, sb, m.real_kv, num_slots, overlap=m.overlap)[0] for name, m in modes.items()}
     fns = {"off": [lambda: model.forward(sb.step, attn, logits)]}
+    last = model.shape.num_layers - 1  # the last covered layer (build_canary covers the first and last)
     for name, c in canaries.items():
         c.prepare_head(sb.step)
-        fns[name] = [lambda c=c: c.launch_head(sb.step), fns["off"][0], lambda c=c: c.tail(sb.step)]
+        hook = {last: lambda c=c: c.start_tail(sb.step)} if modes[name].early_tail else None
+        fns[name] = [lambda c=c: c.launch_head(sb.step), lambda hook=hook: model.forward(sb.step, attn, logits, hook),
+                     lambda c=c: c.tail(sb.step)]
+    fns["off_forked"] = forked_control(fns["off"][0], dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -103,11 +132,13 @@ def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: i
            "extend": shape.extend, "page_size": page_size, "repeats": repeats}
     for name, ts in times.items():
         row[name] = spread(ts)
-    for name in MODES:
+    for name in ("off_forked", *modes):
         ratios = [on / off for on, off in zip(times[name], times["off"], strict=True)]
         row[f"{name}_ratio"] = spread(ratios)
+        if name == "off_forked":
+            continue
         row[f"{name}_violations"] = violations(canaries[name]) - before[name]
-        row[f"{name}_tripwire"] = tripwire(canaries[name], graphs[name], sb, MODES[name])
+        row[f"{name}_tripwire"] = tripwire(canaries[name], graphs[name], sb, modes[name].real_kv)
     row["host_partial"] = host_us(canaries["partial"], graphs["partial"], sb.step,
                                   steps=30 if shape.kind == "decode" else 6)
     del graphs, fns
@@ -123,6 +154,19 @@ def measure_shape(model: Decoder, shape: StepShape, num_pages: int, page_size: i
                            else f"missed ({row['step_over_floor']:.2f}× its floor > {FLOOR_TARGET}×)")
     del canaries
     return row
+
+
+def forked_control(forward, device) -> list:
+    """The canary-off forward with an empty branch beside it (a side stream forked before the
+    forward, one tiny kernel on it, joined after): what the graph's shape alone does to the step."""
+    side, cur, flag = torch.cuda.Stream(device), torch.cuda.current_stream, torch.zeros(1, device=device)
+
+    def fork():
+        side.wait_stream(cur())
+        with torch.cuda.stream(side):
+            flag.add_(1)
+
+    return [fork, forward, lambda: cur().wait_stream(side)]
 
 
 def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed: int = 0,
@@ -177,7 +221,8 @@ def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed:
             torch.cuda.empty_cache()
     rows = record.data["rows"]
     record.data["passed"] = bool(rows) and not record.errors and all(
-        r[f"{m}_violations"] == 0 and not r[f"{m}_tripwire"].startswith("MISSED") for r in rows for m in MODES)
+        r[f"{m}_violations"] == 0 and not r[f"{m}_tripwire"].startswith("MISSED") for r in rows
+        for m in MODES | COMPARED)
     record.save()
     print(f"\nelapsed {record.data['meta']['elapsed_s']} s" + (f"; details in {json_path}" if json_path else ""))
     print_table(record.data)
@@ -199,6 +244,9 @@ def print_table(data: dict) -> None:
         print(f"{r['shape']:<22}{_sp(r['off']):>28}{_sp(r['identity']):>28}{_sp(r['partial']):>28}"
               f"{_ratio(r['identity_ratio']):>28}{_ratio(r['partial_ratio']):>28}{r['floor_us']:>11.1f}"
               f"{r['step_over_floor']:>11.2f}  {r['floor_target']} ({r['bound']})")
+    for r in data["rows"]:
+        print(f"compared  {r['shape']:<22} " + "; ".join(
+            f"{name} {_ratio(r[f'{name}_ratio'])}" for name in ("off_forked", *COMPARED) if f"{name}_ratio" in r))
     for r in data["rows"]:
         w, f, p = r["host_partial"]["work"], r["host_partial"]["in_flight"], r["parts"]
         print(f"parts     {r['shape']:<22} products {_sp(p['products'])} µs, attention {_sp(p['attention'])} µs; "
@@ -224,6 +272,11 @@ def markdown_table(data: dict) -> str:
                    f"{_ratio(r['identity_ratio'])} | {_ratio(r['partial_ratio'])} | {r['floor_us']:.1f} ({r['bound']}) "
                    f"| {r['step_over_floor']:.2f}{miss} | {r['step_over_phase_floor']:.2f} | "
                    f"{r['host_partial']['work']['median']:.1f} |")
+    compared = ("off_forked", *COMPARED)
+    out += ["", "| shape | " + " | ".join(f"{name} / off" for name in compared) + " |",
+            "|---|" + "---:|" * len(compared)]
+    for r in data["rows"]:
+        out.append(f"| {r['shape']} | " + " | ".join(_ratio(r[f"{name}_ratio"]) for name in compared) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -20,6 +20,7 @@ are cuBLAS through ``torch.nn.functional.linear``; on the CPU the same math runs
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -183,9 +184,11 @@ class Decoder:
         n = sum(t.numel() for layer in self.layers for t in layer.values()) + self.final_norm.numel()
         return (n + self.lm_head.numel()) * self.lm_head.element_size()
 
-    def forward(self, batch, attn: StepAttention, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch, attn: StepAttention, logits: torch.Tensor,
+                after_attention: Mapping[int, Callable[[], None]] | None = None) -> torch.Tensor:
         """One forward of ``batch`` (a ForwardBatch); writes its K/V into every layer's pool buffers
-        and the last token's logits of each request into ``logits`` ([bs, vocab])."""
+        and the last token's logits of each request into ``logits`` ([bs, vocab]).
+        ``after_attention[i]`` runs once layer i has written and read its K/V (``Canary.start_tail``)."""
         s, tri = self.shape, self.use_triton
         x = self.lm_head[batch.input_ids]  # the residual stream, [T, hidden]
         h = rms_norm(x, None, self.layers[0]["ln1"], s.eps, tri)
@@ -193,6 +196,8 @@ class Decoder:
             q = rope_store(F.linear(h, layer["qkv"]), batch.positions, batch.out_cache_loc, self.k_buffers[i],
                            self.v_buffers[i], s, tri)
             a = attn(q, self.k_buffers[i], self.v_buffers[i], batch)
+            if after_attention and i in after_attention:
+                after_attention[i]()
             h = rms_norm(x, F.linear(a.view(a.shape[0], -1), layer["o"]), layer["ln2"], s.eps, tri)
             d = F.linear(silu_mul(F.linear(h, layer["gate_up"]), tri), layer["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < s.num_layers else self.final_norm

@@ -90,14 +90,14 @@ class StepBatch:
 
 
 def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots: int, warmup: bool = True,
-                 fill: bool = True):
+                 fill: bool = True, overlap: bool = True):
     """A Canary over the pool with K and V of the first and last layer as sources, its prefix
     stamped and fingerprinted through the canary itself (``fill``); returns (canary, seconds to build)."""
     last = model.shape.num_layers - 1
     sources = [KVSource.from_buffer(buf[layer], half=half, layer=layer) for layer in (0, last)
                for half, buf in ((Half.K, model.k_buffers), (Half.V, model.v_buffers))]
     config = CanaryConfig(policy=Policy.LOG, real_kv=mode, max_bs=sb.shape.bs + 1,
-                          max_tokens=max(sb.shape.bs * max(sb.shape.context, sb.shape.extend), 1))
+                          max_tokens=max(sb.shape.bs * max(sb.shape.context, sb.shape.extend), 1), overlap=overlap)
     t0 = time.perf_counter()
     canary = Canary(config, PoolGeometry(num_slots, sb.table.shape[0], sb.held, str(sb.table.device)),
                     sources=sources, warmup=warmup)

@@ -54,7 +54,7 @@ from kvcanary.ops._common import (
 )
 from kvcanary.ops._jit import append_violations, mix64, source_ptr
 from kvcanary.ops._ring import append_violations_torch, validate_ring
-from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_sources
+from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_meta, validate_sources
 from kvcanary.ops.plan import _translate, _translate_torch
 from kvcanary.ops.state import DeviceState, check_state
 
@@ -215,18 +215,23 @@ def source_halves(sources) -> int:
     return sum(int(s.half) << i for i, s in enumerate(sources))
 
 
-def _launch_args(sources, lut, fallback, device):
-    meta = source_meta(sources, FingerprintMode.PARTIAL, device)  # page geometry only: words_read is unused
+def _launch_args(sources, lut, fallback, device, meta=None):
+    if meta is None:  # page geometry only: words_read is unused
+        meta = source_meta(sources, FingerprintMode.PARTIAL, device)
     return (lut if lut is not None else fallback, lut.shape[0] if lut is not None else 0,
             source_words(sources, fallback), meta)
 
 
 def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut: torch.Tensor | None = None,
+                meta: torch.Tensor | None = None, mode: FingerprintMode = FingerprintMode.PARTIAL,
                 backend: Backend = Backend.AUTO) -> None:
     """HEAD: overwrite the first 16 bytes of each valid write target's row in every source with
-    the slot's mark (module doc). Raises InputTypeError / InputError for wrong dtypes, shapes,
-    devices or sources, before anything is written."""
+    the slot's mark (module doc). ``meta``: the sources' table (``source_meta`` of ``mode``; only its
+    page geometry is read), built once: capturable, where None builds one per call. Raises
+    InputTypeError / InputError for wrong dtypes, shapes, devices, sources or meta, before anything
+    is written."""
     device = validate_landed(state, out_cache_loc, sources, lut, {})
+    meta = validate_meta(meta, list(sources), mode, device)
     for name, t in (("out_cache_loc", out_cache_loc), ("lut", lut)):
         if t is not None:
             check_contiguous(name, t)
@@ -237,7 +242,7 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
         _mark_writes_torch(state, out_cache_loc, sources, lut)
         return
     n = out_cache_loc.shape[0]
-    lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device)
+    lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device, meta)
     _mark_kernel[(max(cdiv(n, BLOCK), 1),)](out_cache_loc, lut_t, *words, meta, n, state.num_slots, lut_len,
                                             HAS_LUT=lut is not None, NUM_SOURCES=len(sources), BLOCK=BLOCK)
 

@@ -162,6 +162,12 @@ class Canary:
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
+        # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream
+        self.side = torch.cuda.Stream(device=dev) if config.overlap and self.fused and dev.type == "cuda" else None
+        self._side_busy = False  # side work the current stream has not waited for yet
+        self._side_captured = False  # ... launched inside a graph capture (joined inside it)
+        self._side_held: torch.Tensor | None = None  # the held slots a side HEAD reads, alive until joined
+        self._tail_started = False
         self.warmup_seconds = 0.0
         if warmup and dev.type == "cuda":
             self.warmup()
@@ -176,6 +182,22 @@ class Canary:
 
     def tag(self, point: LaunchPoint) -> int:
         return LaunchTag(point, self.pool).value
+
+    def join(self) -> None:
+        """Order the current stream after the canary's side-stream work (``CanaryConfig.overlap``).
+        ``tail`` joins; so does every call that touches the canary's state on the current stream."""
+        if not self._side_busy:
+            return
+        # a capture starts synchronised: eager side work needs no wait inside it (nor could have one)
+        if torch.cuda.is_current_stream_capturing() == self._side_captured:
+            torch.cuda.current_stream(self.state.device).wait_stream(self.side)
+        self._side_busy, self._side_held = False, None
+
+    def _fork(self) -> torch.cuda.Stream:
+        """The side stream, ordered after everything launched so far on the current stream."""
+        self.side.wait_stream(torch.cuda.current_stream(self.state.device))
+        self._side_busy, self._side_captured = True, torch.cuda.is_current_stream_capturing()
+        return self.side
 
     # --- per forward -------------------------------------------------------------------------
 
@@ -202,6 +224,7 @@ class Canary:
         if b.batch_size > self.config.max_bs:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
+        self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
         on_device = self._use_truth(b) and self.truth.is_cuda
         if on_device:
             self._check_truth_batch(b)
@@ -240,6 +263,10 @@ class Canary:
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
         truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
+        if self.side is not None:
+            self._launch_head_overlapped(b, tag, truth, truth_lens)
+            self.totals.seconds += time.perf_counter() - t0
+            return
         if self.fused:
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
@@ -269,26 +296,68 @@ class Canary:
         mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
+    def _launch_head_overlapped(self, b: ForwardBatch, tag: int, truth, truth_lens) -> None:
+        """HEAD with ``overlap``: the write marks on the current stream, ahead of the forward's
+        writes; the rest of HEAD (it reads no K/V, the forward reads no record) on the side stream."""
+        self.join()  # the last TAIL is done: a reused write target never shows it this step's mark
+        self._tail_started = False  # a forward that raised never reached its tail
+        lut = self._lut(b)
+        if self.sources:
+            mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut, meta=self.meta,
+                        mode=self.config.real_kv)
+        held = self._held_now()
+        with torch.cuda.stream(self._fork()):
+            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
+                          truth_lens=truth_lens, lut=lut, window=self.window, marks=self.marks, held=held,
+                          backend=self.backend)
+        self._side_held, self.held = held, None
+
+    def start_tail(self, b: ForwardBatch) -> None:
+        """Start TAIL before the forward ends (``CanaryConfig.overlap``): call it once the forward
+        has written and read the K/V of every covered layer (after the last covered layer's
+        attention); TAIL then runs on the side stream beside the rest of the forward, and ``tail``
+        only joins it. Capturable. Does nothing without a side stream (``tail`` runs TAIL)."""
+        if not self.config.enabled or self.side is None or self._tail_started:
+            return
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._fork()):
+            self._launch_tail(b)
+        self._tail_started = True
+        self.totals.seconds += time.perf_counter() - t0
+
+    def _launch_tail(self, b: ForwardBatch) -> None:
+        bs = b.batch_size
+        truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
+        check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                      extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                      positions=b.positions, out_cache_loc=b.out_cache_loc, tag=self.tag(LaunchPoint.TAIL),
+                      stamp=False, truth=truth, truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv,
+                      meta=self.meta, lut=self._lut(b), window=self.window, backend=self.backend)
+        if self.publishing and torch.cuda.is_current_stream_capturing():
+            self.reporter.publish()  # each replay hands end_step its counters
+        elif self._replays:
+            self._replays -= 1
+
     def tail(self, b: ForwardBatch) -> None:
         """Verify the prefix again (stray writes during the forward, fingerprints), check every
         write target was written (its HEAD mark gone), then record the fingerprints of the slots
-        just written. Capturable on the fused (CUDA) path."""
+        just written. Capturable on the fused (CUDA) path. With ``overlap`` it starts TAIL on the
+        side stream unless ``start_tail`` did, then joins the side stream: after ``tail`` the
+        current stream is ordered after every check of the forward."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
         tag = self.tag(LaunchPoint.TAIL)
-        if self.fused:
-            bs = b.batch_size
-            truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
-            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False, truth=truth,
-                          truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                          lut=self._lut(b), window=self.window, backend=self.backend)
-            if self.publishing and torch.cuda.is_current_stream_capturing():
-                self.reporter.publish()  # each replay hands end_step its counters
-            elif self._replays:
-                self._replays -= 1
+        if self.side is not None:
+            if not self._tail_started:
+                with torch.cuda.stream(self._fork()):
+                    self._launch_tail(b)
+            self._tail_started = False
+            self.join()
+        elif self.fused:
+            self._launch_tail(b)
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
@@ -350,6 +419,7 @@ class Canary:
         return n
 
     def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
+        self.join()
         p, n = self.sweep_plan, len(slot)
         if n:
             dev = p.slot.device
@@ -365,6 +435,7 @@ class Canary:
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
         source-tag side word) to travel with their K/V."""
+        self.join()
         index = slots.to(self.state.device)
         tags = self.state.source_tags[index].view(torch.uint8).view(-1, ROW_BYTES - RECORD_BYTES)
         return torch.cat([self.state.records[index], tags], dim=1)
@@ -377,6 +448,7 @@ class Canary:
             got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise KVCanaryError(f"rows must be uint8[{n}, {ROW_BYTES}] (one export_rows row per slot), got {got}; "
                                 "pass what export_rows gave")
+        self.join()
         dev = self.state.device
         index, rows = slots.to(dev), rows.to(dev)
         self.state.records[index] = rows[:, :RECORD_BYTES]
@@ -457,6 +529,7 @@ class Canary:
         if not self.config.enabled:
             return report
         t0 = time.perf_counter()
+        self.join()  # the counters are copied on the current stream
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
         self.reporter.snapshot(self._meta, replays=self._replays)
@@ -500,6 +573,7 @@ class Canary:
 
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
+        self.join()
         report = StepReport(step, self.reporter.collect(flush=True))
         report.device_flags = self._read_device_flags(flush=True)
         self._account(report, upto_step=step, summary=True)
