@@ -177,6 +177,7 @@ def test_replays_without_end_step_fall_back_once_and_miss_nothing():
     graph = _captured(canary, batch, 3)
     for _ in range(20):  # the device runs ahead of what the host counted
         graph.replay()
+    torch.cuda.synchronize()  # ... by all 20 (else a slow replay lets the host read each row in time)
     slot = 3 * CTX + 2 + 1  # row 3, position 2
     record_words(canary.state.records)[slot, CHAIN] ^= 1
     reports = _replay(canary, graph, batch, range(4, 7))
