@@ -112,6 +112,8 @@ class RankCanaryHooks(CanaryHooks):
 
     def forward_prologue(self, batch: ForwardBatch) -> None:
         super().forward_prologue(batch)  # HEAD
+        for canary, _ in self._canaries(batch):
+            canary.join()  # HEAD's rows of this step go into this step's signal (HEAD may be on a side stream)
         if _capturing():
             self.agreement.issue(batch)  # the device half only: replays issue it
         else:
