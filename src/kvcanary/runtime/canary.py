@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvcanary.config import CanaryConfig, Policy
@@ -413,18 +414,21 @@ class Canary:
         n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
         (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max)
         n = self._load_sweep_plan(slot, pred, pos, tok)
-        self._meta.sweep_slots.update(zip(slot, pos, strict=True))
+        self._meta.sweep_runs.append((slot, pos))
         self.totals.sweeps += 1
         self.totals.seconds += time.perf_counter() - t0
         return n
 
     def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
+        """Load the sweep plan with entries (int64 host arrays or sequences) and verify it."""
         self.join()
         p, n = self.sweep_plan, len(slot)
         if n:
             dev = p.slot.device
-            for buf, vals in ((p.slot, slot), (p.pred, pred), (p.position, pos), (p.token, tok), (p.entry, slot)):
-                buf[:n].copy_(torch.tensor(vals, dtype=torch.int32), non_blocking=dev.type == "cuda")
+            cols = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)])
+                                    .astype(np.int32))
+            for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
+                buf[:n].copy_(vals, non_blocking=dev.type == "cuda")
             p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
         p.enable.fill_(1)
@@ -466,11 +470,11 @@ class Canary:
         and its fingerprint; the first one's link is checked by the next HEAD that reads it."""
         if not self.config.enabled or slots.numel() == 0:
             return 0
-        s = [int(x) for x in slots.tolist()]
-        first_pos = int(self.state.records[s[0]].view(torch.int64)[1])
-        pos = list(range(first_pos, first_pos + len(s)))
-        self._meta.sweep_slots.update(zip(s, pos, strict=True))
-        return self._load_sweep_plan(s, [-1, *s[:-1]], pos, [-1] * len(s))
+        s = slots.reshape(-1).to("cpu", torch.int64).numpy()
+        first_pos = int(self.state.records[int(s[0])].view(torch.int64)[1])
+        pos = np.arange(first_pos, first_pos + len(s), dtype=np.int64)
+        self._meta.sweep_runs.append((s, pos))
+        return self._load_sweep_plan(s, np.concatenate([[-1], s[:-1]]), pos, np.full(len(s), -1))
 
     def attach_host_tier(self, num_rows: int) -> None:
         """Keep a host mirror of records for a host offload tier of ``num_rows`` rows (call once,

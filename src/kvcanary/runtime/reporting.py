@@ -115,12 +115,21 @@ class StepMeta:
     step: int
     batch: object | None = None  # the ForwardBatch of the step's forward
     sweep_slots: dict[int, int] = field(default_factory=dict)  # slot -> position, for sweep rows
+    sweep_runs: list = field(default_factory=list)  # (slots, positions) int64 arrays of the step's sweeps, in order
+
+    def sweep_position(self, slot: int) -> int | None:
+        """The position a sweep of this step checked ``slot`` at (the latest sweep's), else None."""
+        for slots, positions in reversed(self.sweep_runs):
+            hit = np.flatnonzero(slots == slot)
+            if hit.size:
+                return int(positions[hit[-1]])
+        return self.sweep_slots.get(slot)
 
 
 def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ...]:
     """Requests of ``meta.batch`` whose page table holds ``row.slot`` (prefix or written tokens)."""
     if row.tag.point is LaunchPoint.SWEEP:
-        pos = meta.sweep_slots.get(row.slot)
+        pos = meta.sweep_position(row.slot)
         return (("cache", pos),) if pos is not None else ()
     b = meta.batch
     if b is not None and row.reasons & Reason.BAD_ENTRY:  # named by its page-table row (core.record)

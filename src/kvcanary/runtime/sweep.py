@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,20 +24,28 @@ class SweepRun:
 
 
 def sweep_entries(runs: Sequence[SweepRun], cursor: int, max_entries: int):
-    """Host lists (slot, pred, position, token) of at most ``max_entries`` entries starting at
-    entry ``cursor`` (mod the total, wrapping); returns them and the next cursor."""
-    slot, pred, pos, tok = [], [], [], []
-    for run in runs:
-        s = [int(x) for x in run.slots.tolist()]
-        slot += s
-        pred += [run.prev_slot, *s[:-1]]
-        pos += range(run.start_position, run.start_position + len(s))
-        tok += list(run.token_ids) if run.token_ids is not None else [-1] * len(s)
-    total = len(slot)
+    """Host arrays (slot, pred, position, token), int64, of at most ``max_entries`` entries
+    starting at entry ``cursor`` (mod the total, wrapping); returns them and the next cursor.
+    Runs on the device cost one copy to the host in all (not one per run)."""
+    runs = [r for r in runs if r.slots.numel()]
+    lens = [int(r.slots.shape[0]) for r in runs]
+    total = sum(lens)
     if total == 0 or max_entries <= 0:
-        return ([], [], [], []), 0
+        empty = np.zeros(0, dtype=np.int64)
+        return (empty, empty, empty, empty), 0
+    slots = [r.slots.reshape(-1).to(torch.int64) for r in runs]
+    slot = torch.cat([t.cpu() for t in slots] if len({t.device for t in slots}) > 1 else slots).cpu().numpy()
+    heads = np.cumsum([0, *lens[:-1]])
+    pred = np.empty_like(slot)
+    pred[1:] = slot[:-1]
+    pred[heads] = [r.prev_slot for r in runs]  # a run's first slot follows the run's predecessor
+    pos = np.arange(total, dtype=np.int64) + np.repeat([r.start_position - h for r, h in zip(runs, heads,
+                                                                                              strict=True)], lens)
+    tok = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) if r.token_ids is not None
+                          else np.full(n, -1, dtype=np.int64) for r, n in zip(runs, lens, strict=True)])
+    if tok.shape[0] != total:
+        raise ValueError(f"sweep runs hold {total} slots but {tok.shape[0]} token ids; pass one token per slot")
     start = cursor % total
     take = min(max_entries, total)
-    idx = [(start + i) % total for i in range(take)]
-    pick = lambda xs: [xs[i] for i in idx]
-    return (pick(slot), pick(pred), pick(pos), pick(tok)), (start + take) % total
+    idx = (start + np.arange(take)) % total
+    return (slot[idx], pred[idx], pos[idx], tok[idx]), int((start + take) % total)
