@@ -213,7 +213,10 @@ def test_drain_answers_in_flight_then_refuses():
                 quick = asyncio.create_task(c.post("/v1/completions", json={"prompt": "quick", "max_tokens": 2}))
                 slow = [asyncio.create_task(c.post("/v1/completions", json={"prompt": _prompt(i), "max_tokens": 1000}))
                         for i in range(8)]
-                await asyncio.sleep(0.3)
+                for _ in range(600):  # until all nine were received (not a fixed sleep: a loaded machine is slower)
+                    if len(service.live) == 9 or (quick.done() and len(service.live) == 8):
+                        break
+                    await asyncio.sleep(0.01)
                 service.begin_drain(0.5)
                 late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
                 health = await c.get("/health")
