@@ -116,7 +116,7 @@ def test_the_side_stream_gives_the_verdicts_records_and_side_words_of_one_stream
     assert rows == runs[False][0]
     assert torch.equal(records, runs[False][1]) and torch.equal(tags, runs[False][2])
     first = {}
-    for step, slot, reasons, point in rows:
+    for step, _slot, reasons, point in rows:
         for r in Reason:
             if reasons & r:
                 first.setdefault(r.name, (step, point))
@@ -219,3 +219,26 @@ def test_the_fault_campaign_gives_the_same_verdicts_on_the_side_stream():
                              for v in result.verdicts]
     assert verdicts[True] == verdicts[False]
     assert all(d for _, injected, d, _, _ in verdicts[True] if injected)
+
+
+def test_the_reference_engine_starts_tail_inside_its_model_and_stays_clean():
+    from kvcanary.engine.canary_hooks import attach_canary
+    from kvcanary.engine.config import EngineConfig
+    from kvcanary.engine.engine import Engine
+
+    mc = ModelConfig(vocab_size=512, hidden=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                     intermediate=256)
+    ec = EngineConfig(num_slots=1200, max_rows=17, max_ctx=128, max_running=8, device="cuda", cuda_graph=True,
+                      graph_batch_sizes=(1, 2, 4, 8))
+    engine, hooks = attach_canary(lambda h: Engine(mc, ec, h), CanaryConfig(sweep_interval=4))
+    assert hooks.tail_layer == 2
+    started = []
+    start_tail = hooks.canary.start_tail
+    hooks.canary.start_tail = lambda b: (started.append(b.batch_size), start_tail(b))[1]
+    gen = torch.Generator().manual_seed(35)
+    lengths = torch.randint(5, 40, (12,), generator=gen).tolist()
+    out = engine.generate([torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths], 12)
+    hooks.canary.flush(engine.step_index)
+    assert len(out) == 12 and all(out.values())
+    assert started and hooks.canary.totals.violations == 0 and not hooks.reports
+    assert engine.graphs.replays > 0  # replayed graphs hold the early TAIL too

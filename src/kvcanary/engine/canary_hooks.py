@@ -2,9 +2,11 @@
 
 HEAD is fed in ``before_forward`` (after a sweep when one is due: the token-truth scatter) and
 launched in ``forward_prologue``, TAIL launched in ``forward_epilogue`` (both captured with the
-model under CUDA graphs), the step's report in ``after_forward``, so on the CPU a violation is
-known before the step samples: under the recompute policy the affected requests are retracted
-there and produce no token from the corrupted forward. Offload and load-back move the records with the K/V rows.
+model under CUDA graphs; on CUDA, with one pool, TAIL starts on the canary's side stream from
+``layer_done`` of the last covered layer and ``forward_epilogue`` joins it), the step's report
+in ``after_forward``, so on the CPU a violation is known before the step samples: under the
+recompute policy the affected requests are retracted there and produce no token from the
+corrupted forward. Offload and load-back move the records with the K/V rows.
 
 A model with sliding-window layers gets a second Canary for the window pool
 (``PoolKind.SWA``, its window): it reads the batch through the pool's full-slot -> window-slot
@@ -87,6 +89,7 @@ class CanaryHooks(EngineHooks):
         self.engine: Engine | None = None
         self.canary: Canary | None = None
         self.window_canary: Canary | None = None  # the sliding-window pool's, if the model has one
+        self.tail_layer: int | None = None  # the layer after whose attention TAIL starts (``layer_done``)
         self.step = 0
         self.reports: list[StepReport] = []
 
@@ -108,6 +111,9 @@ class CanaryHooks(EngineHooks):
             # one breakdown of the run's violations by reason and launch point (metrics: by pool too)
             wt, t = self.window_canary.totals, self.canary.totals
             wt.by_reason, wt.by_launch_point, wt.by_label = t.by_reason, t.by_launch_point, t.by_label
+        elif self.canary.side is not None:  # TAIL beside the rest of the forward, from its last covered layer on
+            full = engine.model_config.full_layers
+            self.tail_layer = max((s.layer for s in self.canary.sources), default=full[-1])
         return self.canary
 
     def _window_batch(self, batch: ForwardBatch) -> ForwardBatch:
@@ -129,6 +135,10 @@ class CanaryHooks(EngineHooks):
     def forward_prologue(self, batch: ForwardBatch) -> None:
         for canary, b in self._canaries(batch):
             canary.launch_head(b)
+
+    def layer_done(self, batch: ForwardBatch, layer: int) -> None:
+        if layer == self.tail_layer:
+            self.canary.start_tail(batch)
 
     def forward_epilogue(self, batch: ForwardBatch) -> None:
         for canary, b in self._canaries(batch):

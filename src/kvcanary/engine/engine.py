@@ -204,7 +204,8 @@ class Engine:
         spin(0)
         self.hooks.forward_prologue(batch)
         spin(1)
-        logits = self.model.forward(batch, self.pool, max_len=self.config.max_ctx if static else None)
+        logits = self.model.forward(batch, self.pool, max_len=self.config.max_ctx if static else None,
+                                    layer_done=lambda layer: self.hooks.layer_done(batch, layer))
         spin(2)
         self.hooks.forward_epilogue(batch)
         spin(3)

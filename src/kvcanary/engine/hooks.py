@@ -34,6 +34,10 @@ class EngineHooks:
         """Device work right before the model, on its stream; captured with it under CUDA graphs
         (fixed-size launches only: no host sync, no allocation, no host-side bookkeeping)."""
 
+    def layer_done(self, batch: ForwardBatch, layer: int) -> None:
+        """Device work once layer ``layer`` of the model has written and read its K/V (right after
+        its attention), on the model's stream; captured with it under CUDA graphs (as the prologue)."""
+
     def forward_epilogue(self, batch: ForwardBatch) -> None:
         """Device work right after the model; captured with it under CUDA graphs (as the prologue)."""
 

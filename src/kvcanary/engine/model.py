@@ -104,11 +104,13 @@ class TinyLlama:
         self.reduce = reduce
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, pool: KVPoolBase, max_len: int | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: KVPoolBase, max_len: int | None = None,
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run ``batch``: writes K/V of its tokens into ``pool`` at ``batch.out_cache_loc`` (every
         layer), reads each request's K/V through ``batch.req_to_token``. Returns the logits of each
         request's last token: [bs, vocab_size] in the model dtype. ``max_len``: a fixed key width for
-        a decode batch, so the forward makes no host sync (CUDA-graph capture)."""
+        a decode batch, so the forward makes no host sync (CUDA-graph capture). ``layer_done(i)``
+        runs once layer i has written and read its K/V."""
         c, num_tokens = self.config, batch.num_tokens
         inputs = attention_inputs(batch, pool, c.num_layers, max_len)  # per layer: (layout, slots written)
         positions = batch.positions.clamp(0, self.max_ctx - 1)  # RoPE table bounds, whatever the batch says
@@ -121,6 +123,8 @@ class TinyLlama:
             v = to_grid(x @ w.wv.T).view(num_tokens, -1, c.head_dim)
             layout, out_cache_loc = inputs[layer]
             attn = paged_attention(q, k, v, pool.k_buffers[layer], pool.v_buffers[layer], out_cache_loc, layout)
+            if layer_done is not None:
+                layer_done(layer)
             h = h + to_grid(self.reduce(attn.reshape(num_tokens, -1) @ w.wo.T))
             x = rms_norm(h, w.mlp_norm)
             gated = to_grid(F.silu(to_grid(x @ w.w_gate.T)) * to_grid(x @ w.w_up.T))

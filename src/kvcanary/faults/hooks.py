@@ -3,7 +3,8 @@
 Within a step: ``before_forward`` runs every fault's ``before_forward`` and then the inner hooks'
 (sweep, HEAD's host half); ``forward_prologue`` runs the inner hooks' (HEAD launch) and then every
 fault's ``after_head``; ``forward_epilogue`` every fault's ``before_tail`` and then the inner
-hooks' (TAIL launch); ``after_forward`` runs the inner hooks' (step report) and then every
+hooks' (TAIL launch; where the inner hooks start TAIL inside the model, ``layer_done`` of that
+layer runs the faults' ``before_tail`` first); ``after_forward`` runs the inner hooks' (step report) and then every
 fault's ``after_forward`` (after handing them the violations the inner hooks reported for the forward,
 if any: ``on_report``); ``on_offload`` / ``on_load`` / ``on_free`` reach the inner hooks, then the
 faults (so their injections follow moved slots). ``after_step`` goes to the inner hooks only.
@@ -31,6 +32,7 @@ class FaultHooks(EngineHooks):
         self.inner, self.faults = inner, list(faults)
         self.engine: Engine | None = None
         self._num_reports = 0  # reports of the inner hooks already handed to the faults
+        self._tail_faults_ran = False  # this forward's before_tail ran (at the layer where TAIL starts)
 
     def attach(self, engine: Engine) -> None:
         """Give every fault the engine and the inner hooks' canary (if they drive one)."""
@@ -53,10 +55,21 @@ class FaultHooks(EngineHooks):
         for fault in self.faults:
             fault.after_head(batch, self.engine.step_index)
 
+    def layer_done(self, batch: ForwardBatch, layer: int) -> None:
+        if layer == getattr(self.inner, "tail_layer", None):  # TAIL starts here: the faults go first
+            self._before_tail(batch)
+        self.inner.layer_done(batch, layer)
+
     def forward_epilogue(self, batch: ForwardBatch) -> None:
+        if not self._tail_faults_ran:
+            self._before_tail(batch)
+        self._tail_faults_ran = False
+        self.inner.forward_epilogue(batch)
+
+    def _before_tail(self, batch: ForwardBatch) -> None:
         for fault in self.faults:
             fault.before_tail(batch, self.engine.step_index)
-        self.inner.forward_epilogue(batch)
+        self._tail_faults_ran = True
 
     def after_forward(self, batch: ForwardBatch) -> None:
         # the inner hooks may retract requests (recompute policy), clearing their page-table rows
