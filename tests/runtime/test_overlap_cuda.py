@@ -12,6 +12,7 @@ from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import CHAIN, Half, Reason, record_words
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
+from kvcanary.errors import InputError
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.runs.campaign import run_campaign
 from kvcanary.runs.setup import RunSetup
@@ -242,3 +243,20 @@ def test_the_reference_engine_starts_tail_inside_its_model_and_stays_clean():
     assert len(out) == 12 and all(out.values())
     assert started and hooks.canary.totals.violations == 0 and not hooks.reports
     assert engine.graphs.replays > 0  # replayed graphs hold the early TAIL too
+
+
+def test_a_batch_the_side_stream_head_refuses_writes_nothing_on_either_stream():
+    gen = torch.Generator().manual_seed(36)
+    tokens = torch.randint(1, 50_000, (ROWS, CTX), generator=gen)
+    pool = Pool(_kv(gen), True)
+    c = pool.canary
+    table = (torch.arange(ROWS * CTX, dtype=torch.int32) + 1).view(ROWS, CTX)
+    big = _batch(tokens, table, 0, 22)  # 66 tokens > max_tokens 64: the HEAD workspace is too small
+    kv, records = [t.clone() for t in pool.kv], c.state.records.clone()
+    c.prepare_head(big)
+    with pytest.raises(InputError, match="max_tokens 64 < len\\(input_ids\\) \\(66\\)"):
+        c.launch_head(big)
+    c.join()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(kv, pool.kv, strict=True))  # no write mark landed
+    assert torch.equal(records, c.state.records)

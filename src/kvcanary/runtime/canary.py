@@ -302,18 +302,17 @@ class Canary:
         writes; the rest of HEAD (it reads no K/V, the forward reads no record) on the side stream."""
         self.join()  # the last TAIL is done: a reused write target never shows it this step's mark
         self._tail_started = False  # a forward that raised never reached its tail
-        lut = self._lut(b)
-        if self.sources:
-            mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut, meta=self.meta,
-                        mode=self.config.real_kv)
-        held = self._held_now()
-        with torch.cuda.stream(self._fork()):
+        lut, held = self._lut(b), self._held_now()
+        with torch.cuda.stream(self._fork()):  # checks every input before it launches anything
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
                           truth_lens=truth_lens, lut=lut, window=self.window, marks=self.marks, held=held,
                           backend=self.backend)
         self._side_held, self.held = held, None
+        if self.sources:  # inputs checked above; on the current stream, ahead of the forward's writes
+            mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut, meta=self.meta,
+                        mode=self.config.real_kv)
 
     def start_tail(self, b: ForwardBatch) -> None:
         """Start TAIL before the forward ends (``CanaryConfig.overlap``): call it once the forward
