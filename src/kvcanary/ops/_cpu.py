@@ -81,27 +81,34 @@ def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sour
     """``fingerprint_torch`` of ``slots[:n]`` into ``out`` and their side words into ``tags``
     (slots outside (0, num_slots): left as they are).
     One call for all entries: every array passed to a called function costs a reference-count
-    update, so the arrays cross once, not once per entry."""
+    update, so the arrays cross once, not once per entry; for the same reason the sources are
+    the outer loop (one source array picked per source, not per entry and source)."""
     num_slots = words.shape[0]
-    for e in range(n):
-        s = slots[e]
-        if s <= 0 or s >= num_slots:
-            continue
-        total = np.uint64(0)
-        side = np.uint64(0)
-        for i in range(num_sources):
-            kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
-            page, stride_w, token_w, n_words = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
+    total = np.zeros(n, dtype=np.uint64)
+    side = np.zeros(n, dtype=np.uint64)
+    for i in range(num_sources):
+        kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
+        page, stride_w, token_w, n_words = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
+        salt = np.uint64(i + 1) * _GOLDEN
+        shift = np.uint64(16 * i)
+        for e in range(n):
+            s = slots[e]
+            if s <= 0 or s >= num_slots:
+                continue
             # an integer division costs tens of cycles: token-major pools (page 1) need none
             base = s * stride_w if page == 1 else (s // page) * stride_w + (s % page) * token_w
             acc = np.uint64(0)
             for w in range(n_words):
                 acc += (np.uint64(kv[base + w]) & _LOW32) * np.uint64(2 * w + 1)
-            part = _mix(acc * _GOLDEN + np.uint64(i + 1) * _GOLDEN)
-            total += part
-            side |= (part & _LOW16) << np.uint64(16 * i)
-        out[e] = np.int64(_mix(total ^ _FP_SEED))
-        tags[e] = np.int64(side)
+            part = _mix(acc * _GOLDEN + salt)
+            total[e] += part
+            side[e] |= (part & _LOW16) << shift
+    for e in range(n):
+        s = slots[e]
+        if s <= 0 or s >= num_slots:
+            continue
+        out[e] = np.int64(_mix(total[e] ^ _FP_SEED))
+        tags[e] = np.int64(side[e])
 
 
 def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
@@ -175,10 +182,13 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
     then HEAD checks the write targets, stamps (every seed read before any write) and marks the
     targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
     fingerprints and side words of the others. ``scratch``: int64[2, num_slots] all _UNMARKED,
-    left so."""
+    left so. Returns 0, or 1 without touching anything when the batch's values are out of the
+    ranges ``check_forward`` accepts (``_batch_ok``: the caller then raises its error)."""
     stamp, has_truth, has_lut = (flags & _STAMP) != 0, (flags & _TRUTH) != 0, (flags & _LUT) != 0
     bs = rpi.shape[0]
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
+    if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter):
+        return 1
     width = truth.shape[1]
     lo = np.zeros(bs, dtype=np.int64)
     hi = np.zeros(bs, dtype=np.int64)
@@ -235,6 +245,23 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
             if 0 < written[t] < words.shape[0]:
                 words[written[t], 3] = fps[t]
                 src_tags[written[t]] = side[t]
+    return 0
+
+
+def _batch_ok(rpi, prefix, extend, rows, max_ctx, n, counter):
+    """The host value checks of ``check_forward`` (``plan.validate_batch``: rows in the table,
+    prefix and extend lengths inside ``max_ctx``; extend lengths summing to ``n``; a ring counter
+    >= 0), so a batch refilled in place since it was checked is refused before anything is
+    written; the limits are compared without sums that could wrap."""
+    if counter[0] < 0:
+        return False
+    total = 0
+    for r in range(rpi.shape[0]):
+        p, e = prefix[r], extend[r]
+        if rpi[r] < 0 or rpi[r] >= rows or p < 0 or p > max_ctx or e < 0 or e > max_ctx - p:
+            return False
+        total += e
+    return total == n
 
 
 def _marks_io(num_slots, ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources, halves, ring, counter,
@@ -399,38 +426,43 @@ def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring
                     meta, num_sources, src_tags, halves)
 
 
-def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens):
+def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
     """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
-    ``has_lens``: also each request's segment length into ``lens``."""
+    ``has_lens``: also each request's segment length into ``lens``. ``strict``: bad offsets or
+    rows write nothing (no flag either) and return 1, for a caller that raises
+    ``validate_scatter``'s error instead; else returns 0."""
     n, bs = flat.shape[0], rpi.shape[0]
-    if has_lens:
-        for r in range(bs):
-            lens[r] = offsets[r + 1] - offsets[r]
     rows, width = out.shape[0], out.shape[1]
     bad_off = offsets[0] != 0 or offsets[bs] != n
     bad_rows = False
     for r in range(bs):
         bad_off = bad_off or offsets[r + 1] < offsets[r]
         bad_rows = bad_rows or rpi[r] < 0 or rpi[r] >= rows
+    if strict and (bad_off or bad_rows):
+        return 1
+    if has_lens:
+        for r in range(bs):
+            lens[r] = offsets[r + 1] - offsets[r]
     error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
     for r in range(bs):
         a, b, row = offsets[r], offsets[r + 1], rpi[r]
         if 0 <= a <= b <= n and 0 <= row < rows:
             for c in range(min(b - a, width)):
                 out[row, c] = np.int32(flat[a + c])
+    return 0
 
 
-_CHECK_SIG = ("void(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int64[:], int64[:], int64[:], "
+_CHECK_SIG = ("int64(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int64[:], int64[:], int64[:], "
               "int32[:, :], int64[:], int64[:], int64[:], int64[:, :], int64[:, :], int64[:], int64[:, :], "
               "int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], int64, int64, int64, int64, int64)")
 _VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[:], int32[:], int64[:], int32[:], "
                "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], "
                "int64, int64, int64)")
-_SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean)"
+_SCATTER_SIG = "int64(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean, boolean)"
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
-_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io")
+_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io", "_batch_ok")
 _KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
 _compiled: dict[str, object] = {}
 _lock = threading.Lock()
@@ -567,13 +599,14 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
     flags = (_STAMP if stamp else 0) | (_TRUTH if truth is not None else 0) | (_LUT if lut is not None else 0) \
         | (_HELD if held is not None and stamp else 0)
     words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = _state_arrays(state, sources, meta)
-    kernel("check")(
+    status = kernel("check")(
         words, rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(),
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
         truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
         _marks(state.num_slots) if stamp else _DUMMY_I64_2, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
         src_tags, len(sources), halves, window, tag, flags)
+    assert status == 0, "check_forward validated values the kernel refused"
 
 
 def verify(state, plan, tag: int, sources, meta) -> None:
@@ -589,4 +622,44 @@ def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=N
     """``scatter_req_token_ids`` on CPU tensors (validated by the caller) through the compiled kernel;
     ``lens_out`` (int64[>= bs] or None): each request's segment length too."""
     kernel("scatter")(flat_in.numpy(), offsets.numpy(), req_pool_indices.numpy(), _np(pool_out), error_flag.numpy(),
-                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None)
+                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None, False)
+
+
+class BoundForward:
+    """``check_forward`` and the truth scatter of one pool, with every argument but the batch
+    bound once: the state's views, sources, fingerprint table, truth table and lengths, window,
+    conflict scratch (a Canary's per-step path on the CPU, ``runtime.cpu_forward``). The batch
+    comes as numpy views (``batch_arrays``). Each call returns False, having written nothing,
+    when the batch's values are out of the ranges the ops accept: the caller then runs the op
+    itself, which raises its error. The caller checks everything else the ops check once."""
+
+    def __init__(self, state, sources, meta, truth, truth_lens, window: int):
+        self.state_arrays = _state_arrays(state, sources, meta)
+        self.num_sources, self.window = len(sources), window
+        self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
+        self.scratch = _marks(state.num_slots)
+        self.error = state.error.numpy()
+        self._check, self._scatter = kernel("check"), kernel("scatter")
+
+    def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray) -> bool:
+        """Token truth of the batch into the truth table and each request's length into the lengths."""
+        return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True) == 0
+
+    def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool) -> bool:
+        """HEAD (``stamp``) or TAIL of ``batch`` = ``batch_arrays(...)``; ``truth``: check tokens
+        against the truth table (scattered this forward); ``held``: int64 numpy slots or None."""
+        rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
+        words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
+        flags = (_STAMP if stamp else 0) | (_TRUTH if truth else 0) | (_LUT if lut is not None else 0) \
+            | (_HELD if held is not None and stamp else 0)
+        return self._check(
+            words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth else _DUMMY_I32_2,
+            self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
+            held if flags & _HELD else _DUMMY_I64_1, self.scratch if stamp else _DUMMY_I64_2, ring, counter, stats,
+            kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
+
+
+def batch_arrays(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, lut) -> tuple:
+    """Numpy views of a forward's CPU tensors, for ``BoundForward.check`` (``lut`` may be None)."""
+    return (rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(), loc.numpy(),
+            None if lut is None else lut.numpy())

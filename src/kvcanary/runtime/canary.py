@@ -50,6 +50,7 @@ from kvcanary.ops.stamp import stamp
 from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import verify
 from kvcanary.runtime.batch import BatchError, ForwardBatch
+from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
@@ -148,6 +149,9 @@ class Canary:
         self.fused = self.backend is not None
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
+        # on the CPU: the truth scatter, HEAD and TAIL as one compiled call each, the Python around them cut
+        self.cpu = CpuForward(config, self.state, self.sources, self.meta, self.truth, self.truth_lens, window) \
+            if self.backend is Backend.NUMBA else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
                                  tuple((src.layer, src.half) for src in self.sources), error=self.state.error,
                                  block=self.state.counter_block())
@@ -213,7 +217,7 @@ class Canary:
         if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
             scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
                               self.truth_lens, HAS_TRITON)
-        elif self._use_truth(b):
+        elif self._use_truth(b) and not (self.cpu is not None and self.cpu.scatter(b)):
             scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                                   pool_out=self.truth, error_flag=self.state.error)
             bs = b.batch_size
@@ -239,6 +243,10 @@ class Canary:
             return
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        if self.cpu is not None and self.cpu.check(b, tag, True, self._use_truth(b), self.held):
+            self.held = None
+            self.totals.seconds += time.perf_counter() - t0
+            return
         truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
         if self.fused:
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
@@ -277,6 +285,10 @@ class Canary:
             return
         t0 = time.perf_counter()
         tag = self.tag(LaunchPoint.TAIL)
+        if self.cpu is not None and self.cpu.check(b, tag, False, self._use_truth(b)):
+            self._replays = max(self._replays - 1, 0)
+            self.totals.seconds += time.perf_counter() - t0
+            return
         if self.fused:
             bs = b.batch_size
             truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)

@@ -1,0 +1,89 @@
+"""A Canary's per-forward work on the CPU: the truth scatter, HEAD and TAIL as one compiled call
+each (``ops._cpu.BoundForward``), with the Python around them cut to what changes per batch.
+
+On a CPU the ops' own argument checks cost more than the kernel they guard (a decode step of
+the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check splits three ways:
+
+| what                                             | checked                                     |
+|--------------------------------------------------|---------------------------------------------|
+| the canary's own buffers, sources and their table | once, when the canary is built (here)       |
+| a batch's dtypes, ranks, lengths, device          | by ``ForwardBatch`` when the batch is built |
+| its layout (contiguity, table strides, sizes)     | once per batch (``host_forward_ok``)        |
+| its values (rows, lengths, offsets, their sums)   | by the kernel on every call, before writing |
+
+Whatever fails, the call returns False having written nothing, and the Canary runs the op
+itself, which raises the error that names the argument (or, where it accepts, produces the
+same bytes: the kernels are the same). The batch's numpy views are made once for its scatter,
+HEAD and TAIL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.config import CanaryConfig
+from kvcanary.errors import KVCanaryError
+from kvcanary.ops._cpu import BoundForward, batch_arrays
+from kvcanary.ops.fingerprint import validate_meta, validate_sources
+from kvcanary.ops.state import DeviceState
+from kvcanary.ops.validation import host_forward_ok
+from kvcanary.runtime.batch import ForwardBatch
+
+
+class CpuForward:
+    """The compiled per-forward path of one CPU Canary (see the module doc)."""
+
+    def __init__(self, config: CanaryConfig, state: DeviceState, sources, meta, truth: torch.Tensor,
+                 truth_lens: torch.Tensor, window: int):
+        self.config, self.state = config, state
+        try:  # what check_forward would check of the canary's own arguments on every call
+            validate_sources(sources, state.num_slots, state.device)
+            meta = validate_meta(meta, sources, config.real_kv, state.device)
+        except KVCanaryError:  # refused: every call takes the ops' path, which raises it
+            self.bound = None
+        else:
+            self.bound = BoundForward(state, sources, meta, truth, truth_lens, window)
+        self.truth_rows = truth.shape[0]
+        ws = state.workspaces[0] if state.workspaces else None
+        self.max_bs, self.max_tokens = (ws.max_bs, ws.max_tokens) if ws is not None else (0, 0)
+        self.lut = window > 0  # a window pool reads the batch through its slot_lut
+        self._batch: ForwardBatch | None = None
+        self._arrays: tuple | None = None
+        self._ptrs: tuple = ()
+
+    def _arrays_of(self, b: ForwardBatch) -> tuple | None:
+        """The numpy views of ``b``'s tensors (made once per batch), or None when its layout is
+        one ``check_forward`` refuses."""
+        tensors = (b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
+                   b.out_cache_loc, b.slot_lut if self.lut else None)
+        if b is self._batch:  # the same tensors; a resize would leave the views on freed memory
+            if self._ptrs == tuple(t.data_ptr() for t in tensors if t is not None):
+                return self._arrays
+        self._batch = self._arrays = None
+        if self.bound is None or not host_forward_ok(*tensors, self.truth_rows if self.config.truth else None,
+                                                     self.max_bs, self.max_tokens):
+            return None
+        self._arrays = batch_arrays(*tensors)
+        self._ptrs = tuple(t.data_ptr() for t in tensors if t is not None)
+        self._batch = b
+        return self._arrays
+
+    def scatter(self, b: ForwardBatch) -> bool:
+        """``scatter_req_token_ids`` of the batch's truth into the canary's table, and its lengths."""
+        if self.bound is None or self._arrays_of(b) is None:
+            return False
+        ids, off = b.truth_ids, b.truth_offsets
+        if not (ids.is_contiguous() and off.is_contiguous()):
+            return False
+        return self.bound.scatter(ids.numpy(), off.numpy(), self._arrays[0])
+
+    def check(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, held: torch.Tensor | None = None) -> bool:
+        """HEAD (``stamp``, with the idle cached slots ``held``) or TAIL of ``b``."""
+        arrays = self._arrays_of(b)
+        if arrays is None:
+            return False
+        if held is not None:
+            if held.dtype != torch.int64 or held.dim() != 1 or held.device.type != "cpu":
+                return False
+            held = held.numpy()
+        return self.bound.check(arrays, held, tag, stamp, truth)
