@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvcanary.core.hashing import ANCHOR, GOLDEN, MIX1, MIX2, TOKEN_SALT
+from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, VIOLATION_ROW_WIDTH
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.fingerprint import FP_SEED
@@ -505,12 +506,27 @@ def usable() -> bool:
             try:
                 for name in _KERNELS:
                     kernel(name)
+                _warm_dispatch()
                 _usable = True
             except Exception as exc:  # a broken install (numba vs numpy versions): fall back, loudly once
                 log.warning("kv_canary: the compiled CPU kernels are unavailable (%s: %s); the torch paths serve",
                             type(exc).__name__, exc)
                 _usable = False
     return _usable
+
+
+def _warm_dispatch() -> None:
+    """One call of each kernel on empty dummies (nothing outside them is touched): the first call
+    of a compiled function with given argument types costs milliseconds of type resolution in
+    numba's dispatcher (and numpy imports ``numpy.ma`` for it), which no step should pay."""
+    i64, i32 = (lambda *shape: np.zeros(shape, dtype=np.int64)), (lambda *shape: np.zeros(shape, dtype=np.int32))
+    stats, ring = i64(NUM_LAUNCH_TAGS, NUM_STATS), i64(1, VIOLATION_ROW_WIDTH)
+    kv = (i32(4), i32(4), i32(4), i32(4))
+    kernel("check")(i64(2, 4), i64(0), i64(0), i64(0), i32(1, 1), i64(0), i64(0), i64(0), i32(1, 1), i64(1), i64(1),
+                    i64(1), i64(2, 2), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, 0)
+    plan = [i32(1) for _ in range(6)]
+    kernel("verify")(i64(2, 4), *plan, i64(1), i32(1), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0)
+    kernel("scatter")(i64(0), i64(1), i64(0), i32(1, 1), i32(1), i64(1), True, True)
 
 
 def compile_kernels() -> float:

@@ -471,10 +471,14 @@ class Canary:
         t0 = time.perf_counter()
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
-        self.reporter.snapshot(self._meta, replays=self._replays)
+        if self.reporter.read_in_place:  # the CPU: counters read where they are, at once
+            report.violations = self.reporter.read_host(self._meta)
+            self._meta = StepMeta(step + 1)
+        else:
+            self.reporter.snapshot(self._meta, replays=self._replays)
+            self._meta = StepMeta(step + 1)
+            report.violations = self.reporter.collect()
         self._replays = 0
-        self._meta = StepMeta(step + 1)
-        report.violations = self.reporter.collect()
         self.totals.steps += 1
         report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         report.device_flags = self._read_device_flags()
@@ -491,6 +495,8 @@ class Canary:
         err = self.state.error
         if err.is_cuda and not flush:
             bits = self.reporter.flags_read
+        elif self.cpu is not None:  # the same word through numpy: no torch dispatch a step
+            bits = int(self.cpu.error[0])
         else:
             bits = int(err[0])  # on CUDA this syncs: the end of a run
         if bits:

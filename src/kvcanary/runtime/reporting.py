@@ -162,8 +162,8 @@ def _owners_by_row(b, table_row: int, position: int) -> tuple[tuple[object, int]
 @dataclass
 class _Snapshot:
     meta: StepMeta
-    counter: torch.Tensor | None  # CPU snapshots: the copies; CUDA snapshots read their row instead
-    stats: torch.Tensor | None
+    counter: torch.Tensor | np.ndarray | None  # CPU: the copies (the block's words, or the counter's);
+    stats: torch.Tensor | None  # CUDA snapshots read their row instead
     event: object | None
     reset: bool
     row: int = -1  # CUDA copy: the pinned row it was copied into
@@ -194,6 +194,8 @@ class Reporter:
         self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
         self._copies = CopyRows(2 + stats.numel(), ring.device) if self.is_cuda else None
+        # CPU: the counter block's words as numpy (one copy a step, no torch dispatch)
+        self._host_block = block.numpy() if block is not None and not self.is_cuda else None
         self.publication: Publication | None = None  # set by ``start_publishing``
 
     def start_publishing(self) -> bool:
@@ -219,6 +221,8 @@ class Reporter:
             snap = _Snapshot(meta, None, None, None, reset, seq=self.publication.expected)
         elif self.is_cuda:
             snap = self._copy_cuda(meta, reset)
+        elif self._host_block is not None:
+            snap = _Snapshot(meta, self._host_block.copy(), None, None, reset)
         else:
             counter, stats = self.counter.clone(), self.stats.clone()
             snap = _Snapshot(meta, counter, stats, None, reset)
@@ -226,6 +230,24 @@ class Reporter:
             self.counter.zero_()
             self._reset_next = False
         self._pending.append(snap)
+
+    def read_host(self, meta: StepMeta) -> list[Violation]:
+        """``snapshot`` then ``collect`` on the CPU (no lag: the step's counters are read at once),
+        in one pass over the counter block's numpy view, copying nothing but the stats (and the
+        rows, when there are new ones). Only for a reporter with a host block and nothing
+        pending (``read_in_place``)."""
+        words = self._host_block
+        total = int(words[0])
+        if self._reset_next:  # the counter restarts right behind this read
+            self.counter.zero_()
+            self._reset_next = False
+            return self._rows(meta, total, True)
+        return self._rows(meta, total, False)
+
+    @property
+    def read_in_place(self) -> bool:
+        """Whether ``read_host`` serves: a CPU reporter with a counter block and nothing pending."""
+        return self._host_block is not None and not self._pending
 
     def _copy_cuda(self, meta: StepMeta, reset: bool) -> _Snapshot:
         c = self._copies
@@ -259,14 +281,20 @@ class Reporter:
             words = self._copies.views[snap.row].copy()
             self._copies.free.append(snap.row)  # read: the next snapshot may reuse its row and event
             return words
+        if snap.stats is None:  # the block's words, copied
+            return snap.counter
         return np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]])
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
         words = self._words(snap)
-        total = int(words[0])
-        self.latest_stats_view.reshape(-1)[:] = words[1:-1]
         if self.is_cuda:
             self.flags_read |= int(words[-1:].view(np.int32)[0])
+        return self._rows(snap.meta, int(words[0]), snap.reset, words)
+
+    def _rows(self, meta: StepMeta, total: int, reset: bool, words: np.ndarray | None = None) -> list[Violation]:
+        """Take in a snapshot of ``total`` rows ever appended and its stats (``words``, or the host
+        block): the new rows, decoded."""
+        self.latest_stats_view.reshape(-1)[:] = (self._host_block if words is None else words)[1:-1]
         self.latest_total = self._total_before + total
         cap = self.ring.shape[0]
         hi = min(total, cap)
@@ -279,14 +307,14 @@ class Reporter:
                 rows = decode_rows(self.ring[self._read_upto:hi])
             self.rows_read += len(rows)
             self._read_upto = hi
-        if snap.reset:
+        if reset:
             self._total_before += total
             self._read_upto = 0
         elif total >= cap:
             self._reset_next = True
-        return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
-                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r),
-                          self.differing_sources(r)) for r in rows]
+        return [Violation(meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
+                          r.expected_token, r.stored_value, r.expected_value, owners_of(meta, r),
+                          self.differing_sources(r)) for r in rows] if rows else []
 
     def differing_sources(self, row: ViolationRow) -> tuple[tuple[int, Half], ...]:
         """(layer, half) of the sources named by the row's source mask (unknown indices skipped)."""
