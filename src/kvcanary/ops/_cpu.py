@@ -121,12 +121,42 @@ def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
     counter[0] = k + 1
 
 
+def _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain, exp_chain,
+                  chain_bad, fp_stored, fp_want, exp_tag):
+    """The ring row of a prefix entry that failed a check (``verify._verify_torch``): its reasons
+    in one row; a FINGERPRINT row's tag names the sources whose part differs from the side word
+    in ``src_tags`` (``fingerprint.mismatch_tag_torch``; ``halves``: bit i = source i's half).
+    Called only for a failed entry, so the hot loops stay free of its array arguments."""
+    pos_bad = spos != p
+    tok_bad = etok != -1 and tok != etok
+    fp_bad = num_sources > 0 and fp_stored != fp_want
+    reasons = (np.int64(chain_bad) * _CHAIN + np.int64(pos_bad) * _POSITION
+               + np.int64(fp_bad) * _FINGERPRINT + np.int64(tok_bad) * _VERIFY_TOKEN)
+    row_tag = np.int64(tag)
+    if fp_bad:  # the half of the first source whose part differs (the first source's when none)
+        diff = src_tags[s] ^ exp_tag
+        mask = np.int64(0)
+        half = np.int64(halves & 1)
+        for i in range(num_sources - 1, -1, -1):
+            if (diff >> (16 * i)) & 0xFFFF != 0:
+                mask |= np.int64(1) << i
+                half = np.int64((halves >> i) & 1)
+        row_tag = (np.int64(tag) & ~np.int64(1)) | half | (mask << 8)
+    if chain_bad:
+        _append(ring, counter, row_tag, s, spos, tok, etok, chain, exp_chain, reasons)
+    elif pos_bad:
+        _append(ring, counter, row_tag, s, spos, tok, etok, spos, p, reasons)
+    elif fp_bad:
+        _append(ring, counter, row_tag, s, spos, tok, etok, fp_stored, fp_want, reasons)
+    else:
+        _append(ring, counter, row_tag, s, spos, tok, etok, tok, etok, reasons)
+
+
 def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2,
                     kv3, meta, num_sources, src_tags, halves):
-    """``verify._verify_torch`` of entries [0, m): one launch, the checked count, ring rows in entry
-    order; a FINGERPRINT row's tag names the sources whose part differs from the side word in
-    ``src_tags`` (``fingerprint.mismatch_tag_torch``; ``halves``: bit i = source i's half). The
-    loop reads arrays itself and calls only scalar functions (see ``_fingerprints``)."""
+    """``verify._verify_torch`` of a plan's entries [0, m): one launch, the checked count, ring rows
+    in entry order (``_report_entry``). The loop reads arrays itself and calls only scalar
+    functions (see ``_fingerprints``)."""
     num_slots = words.shape[0]
     stats[tag, 0] += 1
     k = m if num_sources > 0 else 0
@@ -149,38 +179,95 @@ def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, co
         if pred_ok:
             exp_chain = np.int64(np.uint64(words[q, 2]) + _link(words[q, 0], words[q, 1]))
         chain_bad = (pred_ok or p == 0) and chain != exp_chain
-        pos_bad = spos != p
-        tok_bad = etok != -1 and tok != etok
-        fp_bad = num_sources > 0 and words[s, 3] != fps[e]
-        if chain_bad or pos_bad or fp_bad or tok_bad:
-            reasons = (np.int64(chain_bad) * _CHAIN + np.int64(pos_bad) * _POSITION
-                       + np.int64(fp_bad) * _FINGERPRINT + np.int64(tok_bad) * _VERIFY_TOKEN)
-            row_tag = np.int64(tag)
-            if fp_bad:  # the half of the first source whose part differs (the first source's when none)
-                diff = src_tags[s] ^ exp_tags[e]
-                mask = np.int64(0)
-                half = np.int64(halves & 1)
-                for i in range(num_sources - 1, -1, -1):
-                    if (diff >> (16 * i)) & 0xFFFF != 0:
-                        mask |= np.int64(1) << i
-                        half = np.int64((halves >> i) & 1)
-                row_tag = (np.int64(tag) & ~np.int64(1)) | half | (mask << 8)
-            if chain_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, chain, exp_chain, reasons)
-            elif pos_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, spos, p, reasons)
-            elif fp_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, words[s, 3], fps[e], reasons)
-            else:
-                _append(ring, counter, row_tag, s, spos, tok, etok, tok, etok, reasons)
+        fp_want = fps[e] if num_sources > 0 else np.int64(0)
+        if chain_bad or spos != p or (etok != -1 and tok != etok) or (num_sources > 0 and words[s, 3] != fp_want):
+            _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain, exp_chain,
+                          chain_bad, words[s, 3], fp_want, exp_tags[e] if num_sources > 0 else np.int64(0))
     stats[tag, 1] += checked
+
+
+def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, counter, stats, tag, kv0, kv1, kv2,
+                     kv3, meta, num_sources, src_tags, halves, has_truth, has_lut, mark_readers):
+    """``build_plan`` + ``verify`` of each request's prefix entries [lo[r], hi[r]) in one walk of the
+    page table, without building the plan: request after request (the plan's entry order, so the
+    ring rows come in the same order), slots and predecessors through the LUT and cut to int32 as
+    the plan stores them. With ``num_sources`` the fingerprints are checked too, each distinct slot
+    folded once (requests that share a prefix read the same slots; a fingerprint depends on the
+    slot's K/V bytes alone): ``scratch[0, s]`` holds s's index among them meanwhile, then
+    _UNMARKED again. ``mark_readers`` (HEAD): ``scratch[1, s]`` becomes the smallest row reading
+    s, for ``_writes`` (``_unmark_readers`` clears it)."""
+    num_slots, bs, width = words.shape[0], rpi.shape[0], truth.shape[1]
+    stats[tag, 0] += 1
+    k = 0
+    m = 0
+    if num_sources > 0:
+        for r in range(bs):
+            m += hi[r] - lo[r]
+    distinct = np.empty(m, dtype=np.int64)
+    for r in range(bs if num_sources > 0 else 0):
+        row = rpi[r]
+        for p in range(lo[r], hi[r]):
+            s = np.int64(np.int32(_translate(np.int64(rtt[row, p]), lut, has_lut)))
+            if 0 < s < num_slots and scratch[0, s] == _UNMARKED:
+                scratch[0, s] = k
+                distinct[k] = s
+                k += 1
+    dfp = np.zeros(k, dtype=np.int64)
+    dtags = np.zeros(k, dtype=np.int64)
+    _fingerprints(words, distinct, k, dfp, dtags, kv0, kv1, kv2, kv3, meta, num_sources)
+    checked = 0
+    for r in range(bs):
+        row = rpi[r]
+        tlen = tlens[r] if has_truth else 0
+        prev = np.int64(-1)
+        if lo[r] > 0:
+            prev = _translate(np.int64(rtt[row, lo[r] - 1]), lut, has_lut)
+        for p in range(lo[r], hi[r]):
+            raw = np.int64(rtt[row, p])
+            cur = _translate(raw, lut, has_lut)
+            s = np.int64(np.int32(cur))
+            q = np.int64(np.int32(prev)) if p > 0 else np.int64(-1)
+            prev = cur
+            etok = np.int64(truth[row, p]) if has_truth and p < tlen and p < width else np.int64(-1)
+            if s == 0:
+                continue
+            checked += 1
+            if s < 0 or s >= num_slots:  # an unresolvable entry: BAD_ENTRY naming the entry and its row
+                _append(ring, counter, tag, raw, p, -1, etok, row, s, _BAD_ENTRY)
+                continue
+            if mark_readers and row < scratch[1, s]:
+                scratch[1, s] = row
+            tok, spos, chain = words[s, 0], words[s, 1], words[s, 2]
+            pred_ok = 0 < q < num_slots
+            exp_chain = _ANCHOR_S
+            if pred_ok:
+                exp_chain = np.int64(np.uint64(words[q, 2]) + _link(words[q, 0], words[q, 1]))
+            chain_bad = (pred_ok or p == 0) and chain != exp_chain
+            fp_want = dfp[scratch[0, s]] if num_sources > 0 else np.int64(0)
+            if chain_bad or spos != p or (etok != -1 and tok != etok) or (num_sources > 0 and words[s, 3] != fp_want):
+                _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain,
+                              exp_chain, chain_bad, words[s, 3], fp_want,
+                              dtags[scratch[0, s]] if num_sources > 0 else np.int64(0))
+    for j in range(k):
+        scratch[0, distinct[j]] = _UNMARKED
+    stats[tag, 1] += checked
+
+
+def _unmark_readers(num_slots, rpi, lo, hi, rtt, lut, has_lut, scratch):
+    """Clear the reader marks ``_verify_prefixes(mark_readers=True)`` left in ``scratch[1]``."""
+    for r in range(rpi.shape[0]):
+        row = rpi[r]
+        for p in range(lo[r], hi[r]):
+            s = np.int64(np.int32(_translate(np.int64(rtt[row, p]), lut, has_lut)))
+            if 0 < s < num_slots:
+                scratch[1, s] = _UNMARKED
 
 
 def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, held, scratch, ring, counter, stats,
            kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
     """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD.
-    Builds the plan's entries (request after request), verifies them (HEAD: no fingerprints),
-    then HEAD checks the write targets, stamps (every seed read before any write) and marks the
+    Verifies the plan's entries as it walks the page table (``_verify_prefixes``; HEAD: no
+    fingerprints), then HEAD checks the write targets, stamps (every seed read before any write) and marks the
     targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
     fingerprints and side words of the others. ``scratch``: int64[2, num_slots] all _UNMARKED,
     left so. Returns 0, or 1 without touching anything when the batch's values are out of the
@@ -190,46 +277,20 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
     if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter):
         return 1
-    width = truth.shape[1]
-    lo = np.zeros(bs, dtype=np.int64)
+    lo = np.zeros(bs, dtype=np.int64)  # each request's prefix entries [lo, hi): none for padding rows
     hi = np.zeros(bs, dtype=np.int64)
-    m = 0
     for r in range(bs):
         if 1 <= rpi[r] < rows:
             hi[r] = min(max(prefix[r], 0), max_ctx)
             lo[r] = max(hi[r] - window, 0) if window > 0 else 0
-            m += hi[r] - lo[r]
-    slot = np.empty(m, dtype=np.int32)
-    pred = np.empty(m, dtype=np.int32)
-    position = np.empty(m, dtype=np.int32)
-    token = np.empty(m, dtype=np.int32)
-    entry = np.empty(m, dtype=np.int32)
-    prow = np.empty(m, dtype=np.int32)
-    e = 0
-    for r in range(bs):  # build_plan's entries: slot and predecessor through T, int32 like the plan's
-        row = rpi[r]
-        tlen = tlens[r] if has_truth else 0
-        prev = np.int64(-1)
-        if lo[r] > 0:
-            prev = _translate(np.int64(rtt[row, lo[r] - 1]), lut, has_lut)
-        for p in range(lo[r], hi[r]):
-            raw = rtt[row, p]
-            cur = _translate(np.int64(raw), lut, has_lut)
-            slot[e] = np.int32(cur)
-            pred[e] = np.int32(prev) if p > 0 else np.int32(-1)
-            position[e] = np.int32(p)
-            token[e] = truth[row, p] if has_truth and p < tlen and p < width else np.int32(-1)
-            entry[e] = raw
-            prow[e] = np.int32(row)
-            prev = cur
-            e += 1
-    _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2, kv3,
-                    meta, 0 if stamp else num_sources, src_tags, halves)
+    _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, counter, stats, tag, kv0, kv1, kv2,
+                     kv3, meta, 0 if stamp else num_sources, src_tags, halves, has_truth, has_lut, stamp)
     if stamp:
         woff = np.zeros(bs + 1, dtype=np.int64)  # build_plan's write offsets: clamped extend lengths
         for r in range(bs):
             woff[r + 1] = woff[r] + max(extend[r], 0)
-        _writes(words, slot, prow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags)
+        _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags)
+        _unmark_readers(words.shape[0], rpi, lo, hi, rtt, lut, has_lut, scratch)
         _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring, counter, stats, tag,
                has_truth, has_lut)
         if num_sources > 0:
@@ -299,19 +360,15 @@ def _marks_io(num_slots, ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, 
     return written
 
 
-def _writes(words, eslot, erow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags):
+def _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags):
     """``conflicts._writes_torch``: WRITE_CONFLICT against the first writer of a slot, READ_CONFLICT
-    against the smallest row reading it (entries [0, m) of the plan; held slots: row 0). Rows in
-    token order. ``scratch[0, s]``: first writer token, ``scratch[1, s]``: smallest reader row;
-    every touched word is reset to _UNMARKED on return."""
+    against the smallest row reading it (held slots: row 0). Rows in token order. ``scratch[0,
+    s]``: first writer token, ``scratch[1, s]``: smallest reader row (the plan's readers marked
+    by ``_verify_prefixes``); every word touched here is reset to _UNMARKED on return."""
     num_slots, n, bs = words.shape[0], ids.shape[0], rpi.shape[0]
     if n == 0 or bs == 0:
         return
     has_lut, has_held = (flags & _LUT) != 0, (flags & _HELD) != 0
-    for e in range(m):
-        s = np.int64(eslot[e])
-        if 0 < s < num_slots and erow[e] < scratch[1, s]:
-            scratch[1, s] = erow[e]
     if has_held:
         for i in range(held.shape[0]):
             h = held[i]
@@ -342,10 +399,6 @@ def _writes(words, eslot, erow, m, rpi, woff, ids, pos, loc, lut, held, scratch,
         s = _translate(loc[t], lut, has_lut)
         if 0 < s < num_slots:
             scratch[0, s] = _UNMARKED
-            scratch[1, s] = _UNMARKED
-    for e in range(m):
-        s = np.int64(eslot[e])
-        if 0 < s < num_slots:
             scratch[1, s] = _UNMARKED
     if has_held:
         for i in range(held.shape[0]):
@@ -463,7 +516,8 @@ _SCATTER_SIG = "int64(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
-_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io", "_batch_ok")
+_CALLED = ("_fingerprints", "_append", "_report_entry", "_verify_entries", "_verify_prefixes", "_unmark_readers",
+           "_writes", "_stamp", "_marks_io", "_batch_ok")
 _KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
 _compiled: dict[str, object] = {}
 _lock = threading.Lock()
@@ -620,7 +674,7 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
         truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
-        _marks(state.num_slots) if stamp else _DUMMY_I64_2, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
+        _marks(state.num_slots), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
         src_tags, len(sources), halves, window, tag, flags)
     assert status == 0, "check_forward validated values the kernel refused"
 
@@ -671,7 +725,7 @@ class BoundForward:
         return self._check(
             words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth else _DUMMY_I32_2,
             self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
-            held if flags & _HELD else _DUMMY_I64_1, self.scratch if stamp else _DUMMY_I64_2, ring, counter, stats,
+            held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats,
             kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
 
 
