@@ -703,13 +703,14 @@ class BoundForward:
     when the batch's values are out of the ranges the ops accept: the caller then runs the op
     itself, which raises its error. The caller checks everything else the ops check once."""
 
-    def __init__(self, state, sources, meta, truth, truth_lens, window: int):
+    def __init__(self, state, sources, meta, truth, truth_lens, window: int, capacity: int):
         self.state_arrays = _state_arrays(state, sources, meta)
         self.num_sources, self.window = len(sources), window
         self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
         self.scratch = _marks(state.num_slots)
         self.error = state.error.numpy()
-        self._check, self._scatter = kernel("check"), kernel("scatter")
+        self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
+        self.capacity = capacity
 
     def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray) -> bool:
         """Token truth of the batch into the truth table and each request's length into the lengths."""
@@ -727,6 +728,26 @@ class BoundForward:
             self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
             held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats,
             kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
+
+
+    def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:
+        """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most
+        ``capacity`` of them, fingerprints included; False (nothing written) where they do not fit
+        that plan."""
+        n = len(slot)
+        if n > self.capacity:
+            return False
+        try:
+            plan = np.array([slot, pred, position, token, slot, [0] * n], dtype=np.int32).reshape(6, n)
+        except (OverflowError, ValueError):  # values the plan's int32 columns cannot hold
+            return False
+        words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
+        self._verify(words, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], np.array([n]), _ONE_I32, ring,
+                     counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, tag)
+        return True
+
+
+_ONE_I32 = np.ones(1, dtype=np.int32)
 
 
 def batch_arrays(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, lut) -> tuple:

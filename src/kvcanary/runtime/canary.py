@@ -150,8 +150,8 @@ class Canary:
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         # on the CPU: the truth scatter, HEAD and TAIL as one compiled call each, the Python around them cut
-        self.cpu = CpuForward(config, self.state, self.sources, self.meta, self.truth, self.truth_lens, window) \
-            if self.backend is Backend.NUMBA else None
+        self.cpu = CpuForward(config, self.state, self.sources, self.meta, self.truth, self.truth_lens, window,
+                              self.sweep_plan.capacity) if self.backend is Backend.NUMBA else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
                                  tuple((src.layer, src.half) for src in self.sources), error=self.state.error,
                                  block=self.state.counter_block())
@@ -363,6 +363,8 @@ class Canary:
 
     def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
         p, n = self.sweep_plan, len(slot)
+        if self.cpu is not None and self.cpu.verify(slot, pred, pos, tok, self.tag(LaunchPoint.SWEEP)):
+            return n  # the compiled verify of the entries themselves: no plan tensors filled
         if n:
             dev = p.slot.device
             for buf, vals in ((p.slot, slot), (p.pred, pred), (p.position, pos), (p.token, tok), (p.entry, slot)):

@@ -34,7 +34,7 @@ class CpuForward:
     """The compiled per-forward path of one CPU Canary (see the module doc)."""
 
     def __init__(self, config: CanaryConfig, state: DeviceState, sources, meta, truth: torch.Tensor,
-                 truth_lens: torch.Tensor, window: int):
+                 truth_lens: torch.Tensor, window: int, sweep_capacity: int):
         self.config, self.state = config, state
         try:  # what check_forward would check of the canary's own arguments on every call
             validate_sources(sources, state.num_slots, state.device)
@@ -42,7 +42,7 @@ class CpuForward:
         except KVCanaryError:  # refused: every call takes the ops' path, which raises it
             self.bound = None
         else:
-            self.bound = BoundForward(state, sources, meta, truth, truth_lens, window)
+            self.bound = BoundForward(state, sources, meta, truth, truth_lens, window, sweep_capacity)
         self.truth_rows = truth.shape[0]
         self.error = state.error.numpy()  # the device error flags, read at every end_step
         ws = state.workspaces[0] if state.workspaces else None
@@ -88,3 +88,7 @@ class CpuForward:
                 return False
             held = held.numpy()
         return self.bound.check(arrays, held, tag, stamp, truth)
+
+    def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:
+        """A sweep's ``verify`` of these host-list entries, without filling the sweep plan's tensors."""
+        return self.bound is not None and self.bound.verify(slot, pred, position, token, tag)
