@@ -133,6 +133,7 @@ class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
                  pool: PoolKind = PoolKind.FULL, window: int = 0, warmup: bool = True):
         self.config, self.geometry, self.pool = config, geometry, pool
+        self._tags = {p: LaunchTag(p, pool).value for p in LaunchPoint}  # looked up at every launch
         self.window = window  # > 0: a sliding-window pool, addressed through ForwardBatch.slot_lut
         dev = torch.device(geometry.device)
         # records, ring, counter, stats, error flags, check_forward workspaces: one validated object
@@ -179,7 +180,7 @@ class Canary:
         return self.warmup_seconds
 
     def tag(self, point: LaunchPoint) -> int:
-        return LaunchTag(point, self.pool).value
+        return self._tags[point]
 
     # --- per forward -------------------------------------------------------------------------
 

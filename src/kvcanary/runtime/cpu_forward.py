@@ -50,22 +50,24 @@ class CpuForward:
         self.lut = window > 0  # a window pool reads the batch through its slot_lut
         self._batch: ForwardBatch | None = None
         self._arrays: tuple | None = None
-        self._ptrs: tuple = ()
+        self._tensors: tuple = ()
+        self._ptrs: list = []
 
     def _arrays_of(self, b: ForwardBatch) -> tuple | None:
         """The numpy views of ``b``'s tensors (made once per batch), or None when its layout is
         one ``check_forward`` refuses."""
-        tensors = (b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
-                   b.out_cache_loc, b.slot_lut if self.lut else None)
-        if b is self._batch:  # the same tensors; a resize would leave the views on freed memory
-            if self._ptrs == tuple(t.data_ptr() for t in tensors if t is not None):
-                return self._arrays
+        if b is self._batch and [t.data_ptr() for t in self._tensors] == self._ptrs:
+            return self._arrays  # the same tensors in place (a resize would leave the views on freed memory)
         self._batch = self._arrays = None
-        if self.bound is None or not host_forward_ok(*tensors, self.truth_rows if self.config.truth else None,
+        lut = b.slot_lut if self.lut else None
+        tensors = (b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
+                   b.out_cache_loc)
+        if self.bound is None or not host_forward_ok(*tensors, lut, self.truth_rows if self.config.truth else None,
                                                      self.max_bs, self.max_tokens):
             return None
-        self._arrays = batch_arrays(*tensors)
-        self._ptrs = tuple(t.data_ptr() for t in tensors if t is not None)
+        self._arrays = batch_arrays(*tensors, lut)
+        self._tensors = tensors if lut is None else (*tensors, lut)
+        self._ptrs = [t.data_ptr() for t in self._tensors]
         self._batch = b
         return self._arrays
 
