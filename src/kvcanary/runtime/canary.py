@@ -474,16 +474,18 @@ class Canary:
         t0 = time.perf_counter()
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
-        if self.reporter.read_in_place:  # the CPU: counters read where they are, at once
+        if self.reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
             report.violations = self.reporter.read_host(self._meta)
             self._meta = StepMeta(step + 1)
+            self.totals.steps += 1
+            report.alarms = self.watchdog.observe_launches(self.reporter.host_launches())
         else:
             self.reporter.snapshot(self._meta, replays=self._replays)
             self._meta = StepMeta(step + 1)
             report.violations = self.reporter.collect()
+            self.totals.steps += 1
+            report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         self._replays = 0
-        self.totals.steps += 1
-        report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
@@ -499,7 +501,7 @@ class Canary:
         if err.is_cuda and not flush:
             bits = self.reporter.flags_read
         elif self.cpu is not None:  # the same word through numpy: no torch dispatch a step
-            bits = int(self.cpu.error[0])
+            bits = self.cpu.error[0]
         else:
             bits = int(err[0])  # on CUDA this syncs: the end of a run
         if bits:

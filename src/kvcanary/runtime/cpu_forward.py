@@ -44,7 +44,7 @@ class CpuForward:
         else:
             self.bound = BoundForward(state, sources, meta, truth, truth_lens, window, sweep_capacity)
         self.truth_rows = truth.shape[0]
-        self.error = state.error.numpy()  # the device error flags, read at every end_step
+        self.error = memoryview(state.error.numpy())  # the error flags, read at every end_step (CPython, not numpy)
         ws = state.workspaces[0] if state.workspaces else None
         self.max_bs, self.max_tokens = (ws.max_bs, ws.max_tokens) if ws is not None else (0, 0)
         self.lut = window > 0  # a window pool reads the batch through its slot_lut
