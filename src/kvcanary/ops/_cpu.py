@@ -506,13 +506,17 @@ def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
     return 0
 
 
-_CHECK_SIG = ("int64(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int64[:], int64[:], int64[:], "
-              "int32[:, :], int64[:], int64[:], int64[:], int64[:, :], int64[:, :], int64[:], int64[:, :], "
-              "int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], int64, int64, int64, int64, int64)")
-_VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[:], int32[:], int64[:], int32[:], "
-               "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], "
-               "int64, int64, int64)")
-_SCATTER_SIG = "int64(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean, boolean)"
+# C-contiguous (``::1``) where every caller passes contiguous arrays (the ops check it): indexing
+# needs no strides, and a non-contiguous batch array is refused at the call (TypeError) before
+# anything runs; tables (page table, truth, pool_out), KV sources and held slots take any layout
+_CHECK_SIG = ("int64(int64[:, ::1], int64[::1], int64[::1], int64[::1], int32[:, :], int64[::1], int64[::1], "
+              "int64[::1], int32[:, :], int64[::1], int64[::1], int64[:], int64[:, ::1], int64[:, ::1], int64[::1], "
+              "int64[:, ::1], int32[:], int32[:], int32[:], int32[:], int64[:, ::1], int64[::1], int64, int64, int64, "
+              "int64, int64)")
+_VERIFY_SIG = ("void(int64[:, ::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
+               "int64[::1], int32[::1], int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], "
+               "int32[:], int64[:, ::1], int64[::1], int64, int64, int64)")
+_SCATTER_SIG = "int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1], int64[::1], boolean, boolean)"
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 _INLINED = ("_mix", "_link", "_translate")
@@ -700,8 +704,9 @@ class BoundForward:
     bound once: the state's views, sources, fingerprint table, truth table and lengths, window,
     conflict scratch (a Canary's per-step path on the CPU, ``runtime.cpu_forward``). The batch
     comes as numpy views (``batch_arrays``). Each call returns False, having written nothing,
-    when the batch's values are out of the ranges the ops accept: the caller then runs the op
-    itself, which raises its error. The caller checks everything else the ops check once."""
+    when the batch's values are out of the ranges the ops accept or an array is not contiguous:
+    the caller then runs the op itself, which raises its error. The caller checks the rest of
+    what the ops check once per batch (``validation.host_forward_ok``)."""
 
     def __init__(self, state, sources, meta, truth, truth_lens, window: int, capacity: int):
         self.state_arrays = _state_arrays(state, sources, meta)
@@ -714,7 +719,10 @@ class BoundForward:
 
     def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray) -> bool:
         """Token truth of the batch into the truth table and each request's length into the lengths."""
-        return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True) == 0
+        try:
+            return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True) == 0
+        except TypeError:  # a non-contiguous array: refused by the signature before anything ran
+            return False
 
     def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool) -> bool:
         """HEAD (``stamp``) or TAIL of ``batch`` = ``batch_arrays(...)``; ``truth``: check tokens
@@ -723,11 +731,14 @@ class BoundForward:
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         flags = (_STAMP if stamp else 0) | (_TRUTH if truth else 0) | (_LUT if lut is not None else 0) \
             | (_HELD if held is not None and stamp else 0)
-        return self._check(
-            words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth else _DUMMY_I32_2,
-            self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
-            held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats,
-            kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
+        try:
+            return self._check(
+                words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth else _DUMMY_I32_2,
+                self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
+                held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats,
+                kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
+        except TypeError:  # a non-contiguous batch array: refused by the signature before anything ran
+            return False
 
 
     def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:

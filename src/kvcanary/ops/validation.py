@@ -14,22 +14,16 @@ from kvcanary.ops._ring import validate_ring
 __all__ = ["check_same_device", "check_tensor", "host_forward_ok", "validate_ring"]
 
 
-def host_forward_ok(rpi: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, rtt: torch.Tensor,
-                    ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor, lut: torch.Tensor | None,
+def host_forward_ok(rpi: torch.Tensor, ids: torch.Tensor, rtt: torch.Tensor, lut: torch.Tensor | None,
                     truth_rows: int | None, max_bs: int, max_tokens: int) -> bool:
-    """Whether ``check_forward`` would accept the layout of a batch of CPU tensors whose dtypes,
-    ranks, lengths and single device were already checked (``runtime.ForwardBatch`` does so
-    when it is built): the tensors on the CPU and contiguous, ``rtt`` a table with unit column
-    stride and rows that do not overlap (and ``truth_rows`` rows when the truth table is used),
-    a non-empty ``lut``, and a batch that fits the workspaces (``max_bs``, ``max_tokens``). Raises
-    nothing: on False the caller runs ``check_forward``, which raises the error that names the
-    argument. Values are the compiled kernel's to check (``ops._cpu``)."""
-    if rtt.device.type != "cpu":
-        return False
-    for t in (rpi, prefix_lens, extend_lens, ids, pos, loc):
-        if not t.is_contiguous():
-            return False
-    if lut is not None and (lut.shape[0] < 1 or not lut.is_contiguous()):
+    """Whether ``check_forward`` would accept the shapes of a batch whose dtypes, ranks, lengths and
+    single device were already checked (``runtime.ForwardBatch`` does so when it is built), as far
+    as they are not the compiled kernel's to check (``ops._cpu``: contiguity at the call, values
+    before it writes): ``rtt`` a table with unit column stride and rows that do not overlap (of
+    ``truth_rows`` rows when the truth table is used), a non-empty ``lut``, and a batch that fits
+    the workspaces (``max_bs`` requests, ``max_tokens`` tokens). Raises nothing: on False the
+    caller runs ``check_forward``, which raises the error that names the argument."""
+    if lut is not None and lut.shape[0] < 1:
         return False
     rows, width = rtt.shape
     if rows < 1 or width < 1 or rtt.stride(1) != 1 or (rows > 1 and rtt.stride(0) < width):

@@ -8,7 +8,8 @@ the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check split
 |--------------------------------------------------|---------------------------------------------|
 | the canary's own buffers, sources and their table | once, when the canary is built (here)       |
 | a batch's dtypes, ranks, lengths, device          | by ``ForwardBatch`` when the batch is built |
-| its layout (contiguity, table strides, sizes)     | once per batch (``host_forward_ok``)        |
+| its table strides and sizes                       | once per batch (``host_forward_ok``)        |
+| its contiguity                                    | by the kernel's signature, at every call    |
 | its values (rows, lengths, offsets, their sums)   | by the kernel on every call, before writing |
 
 Whatever fails, the call returns False having written nothing, and the Canary runs the op
@@ -62,10 +63,14 @@ class CpuForward:
         lut = b.slot_lut if self.lut else None
         tensors = (b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
                    b.out_cache_loc)
-        if self.bound is None or not host_forward_ok(*tensors, lut, self.truth_rows if self.config.truth else None,
+        if self.bound is None or not host_forward_ok(tensors[0], tensors[4], tensors[3], lut,
+                                                     self.truth_rows if self.config.truth else None,
                                                      self.max_bs, self.max_tokens):
             return None
-        self._arrays = batch_arrays(*tensors, lut)
+        try:
+            self._arrays = batch_arrays(*tensors, lut)
+        except (TypeError, RuntimeError):  # not CPU memory numpy can view (another device, autograd)
+            return None
         self._tensors = tensors if lut is None else (*tensors, lut)
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self._batch = b
@@ -75,10 +80,7 @@ class CpuForward:
         """``scatter_req_token_ids`` of the batch's truth into the canary's table, and its lengths."""
         if self.bound is None or self._arrays_of(b) is None:
             return False
-        ids, off = b.truth_ids, b.truth_offsets
-        if not (ids.is_contiguous() and off.is_contiguous()):
-            return False
-        return self.bound.scatter(ids.numpy(), off.numpy(), self._arrays[0])
+        return self.bound.scatter(b.truth_ids.numpy(), b.truth_offsets.numpy(), self._arrays[0])
 
     def check(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, held: torch.Tensor | None = None) -> bool:
         """HEAD (``stamp``, with the idle cached slots ``held``) or TAIL of ``b``."""
