@@ -121,6 +121,15 @@ def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
     counter[0] = k + 1
 
 
+def _entry_check(tok, spos, chain, fp_stored, qtok, qpos, qchain, pred_ok, p, etok, fp_want, has_fp):
+    """The checks of one prefix entry from its slot's record (and its predecessor's, when
+    ``pred_ok``): (expected chain, chain bad, any check bad)."""
+    exp_chain = np.int64(np.uint64(qchain) + _link(qtok, qpos)) if pred_ok else _ANCHOR_S
+    chain_bad = (pred_ok or p == 0) and chain != exp_chain
+    bad = chain_bad or spos != p or (etok != -1 and tok != etok) or (has_fp and fp_stored != fp_want)
+    return exp_chain, chain_bad, bad
+
+
 def _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain, exp_chain,
                   chain_bad, fp_stored, fp_want, exp_tag):
     """The ring row of a prefix entry that failed a check (``verify._verify_torch``): its reasons
@@ -173,16 +182,14 @@ def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, co
         if s < 0 or s >= num_slots:  # an unresolvable entry: BAD_ENTRY naming the entry and its row
             _append(ring, counter, tag, np.int64(entry[e]), p, -1, etok, np.int64(prow[e]), s, _BAD_ENTRY)
             continue
-        tok, spos, chain = words[s, 0], words[s, 1], words[s, 2]
-        pred_ok = 0 < q < num_slots
-        exp_chain = _ANCHOR_S
-        if pred_ok:
-            exp_chain = np.int64(np.uint64(words[q, 2]) + _link(words[q, 0], words[q, 1]))
-        chain_bad = (pred_ok or p == 0) and chain != exp_chain
+        qq = q if 0 < q < num_slots else 0  # slot 0: a row to read when there is no predecessor
         fp_want = fps[e] if num_sources > 0 else np.int64(0)
-        if chain_bad or spos != p or (etok != -1 and tok != etok) or (num_sources > 0 and words[s, 3] != fp_want):
-            _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain, exp_chain,
-                          chain_bad, words[s, 3], fp_want, exp_tags[e] if num_sources > 0 else np.int64(0))
+        exp_chain, chain_bad, bad = _entry_check(words[s, 0], words[s, 1], words[s, 2], words[s, 3], words[qq, 0],
+                                                 words[qq, 1], words[qq, 2], qq > 0, p, etok, fp_want, num_sources > 0)
+        if bad:
+            _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, words[s, 0], words[s, 1],
+                          words[s, 2], exp_chain, chain_bad, words[s, 3], fp_want,
+                          exp_tags[e] if num_sources > 0 else np.int64(0))
     stats[tag, 1] += checked
 
 
@@ -237,17 +244,16 @@ def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, 
                 continue
             if mark_readers and row < scratch[1, s]:
                 scratch[1, s] = row
-            tok, spos, chain = words[s, 0], words[s, 1], words[s, 2]
-            pred_ok = 0 < q < num_slots
-            exp_chain = _ANCHOR_S
-            if pred_ok:
-                exp_chain = np.int64(np.uint64(words[q, 2]) + _link(words[q, 0], words[q, 1]))
-            chain_bad = (pred_ok or p == 0) and chain != exp_chain
-            fp_want = dfp[scratch[0, s]] if num_sources > 0 else np.int64(0)
-            if chain_bad or spos != p or (etok != -1 and tok != etok) or (num_sources > 0 and words[s, 3] != fp_want):
-                _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, tok, spos, chain,
-                              exp_chain, chain_bad, words[s, 3], fp_want,
-                              dtags[scratch[0, s]] if num_sources > 0 else np.int64(0))
+            qq = q if 0 < q < num_slots else 0
+            d = scratch[0, s] if num_sources > 0 else 0  # s's index among the distinct slots
+            fp_want = dfp[d] if num_sources > 0 else np.int64(0)
+            exp_chain, chain_bad, bad = _entry_check(words[s, 0], words[s, 1], words[s, 2], words[s, 3],
+                                                     words[qq, 0], words[qq, 1], words[qq, 2], qq > 0, p, etok,
+                                                     fp_want, num_sources > 0)
+            if bad:
+                _report_entry(ring, counter, src_tags, tag, halves, num_sources, s, p, etok, words[s, 0],
+                              words[s, 1], words[s, 2], exp_chain, chain_bad, words[s, 3], fp_want,
+                              dtags[d] if num_sources > 0 else np.int64(0))
     for j in range(k):
         scratch[0, distinct[j]] = _UNMARKED
     stats[tag, 1] += checked
@@ -519,7 +525,7 @@ _VERIFY_SIG = ("void(int64[:, ::1], int32[::1], int32[::1], int32[::1], int32[::
 _SCATTER_SIG = "int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1], int64[::1], boolean, boolean)"
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
-_INLINED = ("_mix", "_link", "_translate")
+_INLINED = ("_mix", "_link", "_translate", "_entry_check")
 _CALLED = ("_fingerprints", "_append", "_report_entry", "_verify_entries", "_verify_prefixes", "_unmark_readers",
            "_writes", "_stamp", "_marks_io", "_batch_ok")
 _KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
