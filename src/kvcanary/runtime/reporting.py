@@ -242,8 +242,7 @@ class Reporter:
     def read_host(self, meta: StepMeta) -> list[Violation]:
         """``snapshot`` then ``collect`` on the CPU (no lag: the step's counters are read at once),
         in one pass over the counter block's numpy view, copying nothing but the stats (and the
-        rows, when there are new ones). Only for a reporter with a host block and nothing
-        pending (``read_in_place``)."""
+        rows, when there are new ones). Only where ``read_in_place``."""
         words = self._host_words
         total = words[0]
         self._latest_words[:] = words[1:-1]
@@ -265,8 +264,9 @@ class Reporter:
 
     @property
     def read_in_place(self) -> bool:
-        """Whether ``read_host`` serves: a CPU reporter with a counter block and nothing pending."""
-        return self._host_block is not None and not self._pending
+        """Whether ``read_host`` serves: a CPU reporter with a counter block, no lag (a test may
+        give a CPU reporter the CUDA lag) and nothing pending."""
+        return self._host_block is not None and self.lag == 0 and not self._pending
 
     def _copy_cuda(self, meta: StepMeta, reset: bool) -> _Snapshot:
         c = self._copies
