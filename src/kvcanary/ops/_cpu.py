@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, VIOLATION_ROW_WIDTH
+from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOLATION_ROW_WIDTH
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops._common import Backend
@@ -240,6 +240,7 @@ class BoundForward:
         self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
         self.scratch = _marks(state.num_slots)
         self.error = state.error.numpy()
+        self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
 
@@ -274,6 +275,9 @@ class BoundForward:
         n = len(slot)
         if n > self.capacity:
             return False
+        if n == 0:  # what the kernel does with no entries: count the launch (through CPython, not numpy)
+            self.stats_words[tag * NUM_STATS + STAT_LAUNCHES] += 1
+            return True
         try:
             plan = np.array([slot, pred, position, token, slot, [0] * n], dtype=np.int32).reshape(6, n)
         except (OverflowError, ValueError):  # values the plan's int32 columns cannot hold
