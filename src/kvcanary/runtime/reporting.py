@@ -204,6 +204,9 @@ class Reporter:
         if self._host_block is not None:
             self._host_words = memoryview(self._host_block)
             self._latest_words = memoryview(self.latest_stats_view.reshape(-1))
+            per = stats.shape[0] // len(LaunchPoint)  # tags per launch point: its launch words
+            self._launch_words = tuple(tuple((per * p + i) * NUM_STATS + STAT_LAUNCHES for i in range(per))
+                                       for p in range(len(LaunchPoint)))
         self.publication: Publication | None = None  # set by ``start_publishing``
 
     def start_publishing(self) -> bool:
@@ -257,10 +260,9 @@ class Reporter:
 
     def host_launches(self) -> list[int]:
         """Each launch point's launches in the stats ``read_host`` read (LaunchPoint order), summed
-        over its tags without numpy."""
-        col = self._latest_words[STAT_LAUNCHES::NUM_STATS].tolist()
-        per = len(col) // len(LaunchPoint)
-        return [sum(col[per * p: per * p + per]) for p in range(len(LaunchPoint))]
+        over its tags by plain indexing (no numpy, no strided views)."""
+        get = self._latest_words.__getitem__
+        return [sum(map(get, point)) for point in self._launch_words]
 
     @property
     def read_in_place(self) -> bool:
