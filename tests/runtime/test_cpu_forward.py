@@ -126,7 +126,8 @@ def _fresh() -> tuple[Canary, ForwardBatch]:
 
 
 @pytest.mark.parametrize(("refill", "fragment"), [
-    (lambda b: b.req_pool_indices.__setitem__(1, 9), r"req_pool_indices\[1\] out of range"),
+    # a row refilled after prepare_head: the truth scatter left to HEAD's call refuses it first
+    (lambda b: b.req_pool_indices.__setitem__(1, 9), r"req_pool_indices\[1\] = 9 out of range \[0, 6\)"),
     (lambda b: b.extend_lens.__setitem__(0, 8), r"extend_lens sum 13 != len\(input_ids\) \(14\)"),
     (lambda b: b.prefix_lens.__setitem__(0, -1), r"prefix_lens\[0\] out of range"),
 ])
@@ -141,12 +142,19 @@ def test_values_refilled_after_the_batch_was_built_get_the_ops_error(refill, fra
 
 
 def test_truth_offsets_refilled_after_the_batch_was_built_get_the_scatter_error():
+    """HEAD's call makes the truth scatter prepare_head left to it: bad offsets raise the
+    scatter's error there, before anything is written; the same batch refilled right passes."""
     canary, b = _fresh()
+    good = b.truth_offsets[1].item()
     b.truth_offsets[1] = 20  # decreasing at index 2
-    truth = canary.truth.clone()
+    before = [t.clone() for t in (canary.truth, canary.truth_lens, *_state(canary, []))]
     with pytest.raises(ValueError, match="offsets decrease at index 2"):
-        canary.prepare_head(b)
-    assert canary.truth.equal(truth) and int(canary.state.error[0]) == 0
+        canary.head(b)
+    after = (canary.truth, canary.truth_lens, *_state(canary, []))
+    assert all(x.equal(y) for x, y in zip(before, after, strict=True)) and int(canary.state.error[0]) == 0
+    b.truth_offsets[1] = good
+    canary.head(b)
+    assert canary.truth_lens[:2].tolist() == [9, 5] and int(canary.state.ring_counter[0]) == 0
 
 
 def test_a_non_contiguous_batch_tensor_gets_the_ops_error():

@@ -43,7 +43,7 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops._common import Backend
-from kvcanary.ops._cpu_kernels import _HELD, _LUT, _STAMP, _TRUTH, _UNMARKED
+from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _TRUTH, _UNMARKED
 
 log = logging.getLogger("kvcanary")
 
@@ -106,8 +106,9 @@ def _warm_dispatch() -> None:
     i64, i32 = (lambda *shape: np.zeros(shape, dtype=np.int64)), (lambda *shape: np.zeros(shape, dtype=np.int32))
     stats, ring = i64(NUM_LAUNCH_TAGS, NUM_STATS), i64(1, VIOLATION_ROW_WIDTH)
     kv = (i32(4), i32(4), i32(4), i32(4))
-    kernel("check")(i64(2, 4), i64(0), i64(0), i64(0), i32(1, 1), i64(0), i64(0), i64(0), i32(1, 1), i64(1), i64(1),
-                    i64(1), i64(2, 2), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, 0)
+    batch = (i64(0), i64(0), i64(0), i32(1, 1), i64(0), i64(0), i64(0))
+    kernel("check")(i64(2, 4), *batch, i32(1, 1), i64(1), i64(0), i64(1), i64(1), i64(1), i64(2, 2), ring, i64(1),
+                    stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, _SCATTER)
     plan = [i32(1) for _ in range(6)]
     kernel("verify")(i64(2, 4), *plan, i64(1), i32(1), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0)
     kernel("scatter")(i64(0), i64(1), i64(0), i32(1, 1), i32(1), i64(1), True, True)
@@ -202,7 +203,7 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
     status = kernel("check")(
         words, rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(),
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
-        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1,
+        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1, _DUMMY_I64_1, _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
         _marks(state.num_slots), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
         src_tags, len(sources), halves, window, tag, flags)
@@ -251,22 +252,25 @@ class BoundForward:
         except TypeError:  # a non-contiguous array: refused by the signature before anything ran
             return False
 
-    def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool) -> bool:
+    def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool,
+              scatter: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """HEAD (``stamp``) or TAIL of ``batch`` = ``batch_arrays(...)``; ``truth``: check tokens
-        against the truth table (scattered this forward); ``held``: int64 numpy slots or None."""
+        against the truth table; ``scatter``: the forward's (truth ids, offsets), scattered into
+        the truth table and lengths first, in the same call; ``held``: int64 numpy slots or None."""
         rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         flags = (_STAMP if stamp else 0) | (_TRUTH if truth else 0) | (_LUT if lut is not None else 0) \
-            | (_HELD if held is not None and stamp else 0)
+            | (_HELD if held is not None and stamp else 0) | (_SCATTER if scatter is not None else 0)
+        flat, offsets = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1)
         try:
             return self._check(
-                words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth else _DUMMY_I32_2,
-                self.truth_lens if truth else _DUMMY_I64_1, _DUMMY_I64_1 if lut is None else lut,
-                held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats,
-                kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
+                words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth or scatter else _DUMMY_I32_2,
+                self.truth_lens if truth or scatter else _DUMMY_I64_1, flat, offsets,
+                _DUMMY_I64_1 if lut is None else lut, held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring,
+                counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag,
+                flags) == 0
         except TypeError:  # a non-contiguous batch array: refused by the signature before anything ran
             return False
-
 
     def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:
         """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most

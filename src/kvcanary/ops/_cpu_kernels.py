@@ -25,7 +25,7 @@ _UNMARKED = np.int64(2**63 - 1)
 _CHAIN, _POSITION, _FINGERPRINT, _WRITE_TOKEN, _WRITE_POSITION, _VERIFY_TOKEN = 1, 2, 4, 8, 16, 32
 _BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT, _MISSED_WRITE = 64, 128, 256, 512
 # flags of the check kernel
-_STAMP, _TRUTH, _LUT, _HELD = 1, 2, 4, 8
+_STAMP, _TRUTH, _LUT, _HELD, _SCATTER = 1, 2, 4, 8, 16
 
 
 def _mix(z):
@@ -238,9 +238,11 @@ def _unmark_readers(num_slots, rpi, lo, hi, rtt, lut, has_lut, scratch):
                 scratch[1, s] = _UNMARKED
 
 
-def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, held, scratch, ring, counter, stats,
-           kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
-    """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD.
+def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, flat, offsets, lut, held, scratch, ring,
+           counter, stats, kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
+    """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD,
+    _SCATTER (the forward's truth scatter from ``flat`` / ``offsets`` first: one call for a CPU
+    Canary's truth scatter and HEAD).
     Verifies the plan's entries as it walks the page table (``_verify_prefixes``; HEAD: no
     fingerprints), then HEAD checks the write targets, stamps (every seed read before any write) and marks the
     targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
@@ -252,6 +254,11 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, he
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
     if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter):
         return 1
+    if flags & _SCATTER:  # the forward's truth scatter first (``_scatter``, strict), into truth and tlens
+        bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, truth.shape[0])
+        if bad_off or bad_rows or tlens.shape[0] < bs:
+            return 2
+        _scatter_rows(flat, offsets, rpi, truth, tlens, True)
     lo = np.zeros(bs, dtype=np.int64)  # each request's prefix entries [lo, hi): none for padding rows
     hi = np.zeros(bs, dtype=np.int64)
     for r in range(bs):
@@ -455,29 +462,44 @@ def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring
                     meta, num_sources, src_tags, halves)
 
 
-def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
-    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
-    ``has_lens``: also each request's segment length into ``lens``. ``strict``: bad offsets or
-    rows write nothing (no flag either) and return 1, for a caller that raises
-    ``validate_scatter``'s error instead; else returns 0."""
+def _scatter_bad(flat, offsets, rpi, rows):
+    """(bad offsets, bad rows) of a truth scatter: offsets that do not run from 0 to len(flat)
+    without decreasing (or not bs + 1 of them), rows outside the table."""
     n, bs = flat.shape[0], rpi.shape[0]
-    rows, width = out.shape[0], out.shape[1]
+    if offsets.shape[0] != bs + 1:
+        return True, False
     bad_off = offsets[0] != 0 or offsets[bs] != n
     bad_rows = False
     for r in range(bs):
         bad_off = bad_off or offsets[r + 1] < offsets[r]
         bad_rows = bad_rows or rpi[r] < 0 or rpi[r] >= rows
-    if strict and (bad_off or bad_rows):
-        return 1
+    return bad_off, bad_rows
+
+
+def _scatter_rows(flat, offsets, rpi, out, lens, has_lens):
+    """Copy every valid segment into its row of ``out``; ``has_lens``: each segment's length too."""
+    n, bs = flat.shape[0], rpi.shape[0]
+    rows, width = out.shape[0], out.shape[1]
     if has_lens:
         for r in range(bs):
             lens[r] = offsets[r + 1] - offsets[r]
-    error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
     for r in range(bs):
         a, b, row = offsets[r], offsets[r + 1], rpi[r]
         if 0 <= a <= b <= n and 0 <= row < rows:
             for c in range(min(b - a, width)):
                 out[row, c] = np.int32(flat[a + c])
+
+
+def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
+    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
+    ``has_lens``: also each request's segment length into ``lens``. ``strict``: bad offsets or
+    rows write nothing (no flag either) and return 1, for a caller that raises
+    ``validate_scatter``'s error instead; else returns 0."""
+    bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, out.shape[0])
+    if strict and (bad_off or bad_rows):
+        return 1
+    error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
+    _scatter_rows(flat, offsets, rpi, out, lens, has_lens)
     return 0
 
 
@@ -485,9 +507,9 @@ def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
 # needs no strides, and a non-contiguous batch array is refused at the call (TypeError) before
 # anything runs; tables (page table, truth, pool_out), KV sources and held slots take any layout
 _CHECK_SIG = ("int64(int64[:, ::1], int64[::1], int64[::1], int64[::1], int32[:, :], int64[::1], int64[::1], "
-              "int64[::1], int32[:, :], int64[::1], int64[::1], int64[:], int64[:, ::1], int64[:, ::1], int64[::1], "
-              "int64[:, ::1], int32[:], int32[:], int32[:], int32[:], int64[:, ::1], int64[::1], int64, int64, int64, "
-              "int64, int64)")
+              "int64[::1], int32[:, :], int64[::1], int64[::1], int64[::1], int64[::1], int64[:], int64[:, ::1], "
+              "int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], int32[:], int64[:, ::1], "
+              "int64[::1], int64, int64, int64, int64, int64)")
 _VERIFY_SIG = ("void(int64[:, ::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
                "int64[::1], int32[::1], int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], "
                "int32[:], int64[:, ::1], int64[::1], int64, int64, int64)")
@@ -495,6 +517,6 @@ _SCATTER_SIG = "int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 INLINED = ("_mix", "_link", "_translate", "_entry_check")
-CALLED = ("_fingerprints", "_append", "_report_entry", "_verify_entries", "_verify_prefixes", "_unmark_readers",
-          "_writes", "_stamp", "_marks_io", "_batch_ok")
+CALLED = ("_scatter_bad", "_scatter_rows", "_fingerprints", "_append", "_report_entry", "_verify_entries",
+          "_verify_prefixes", "_unmark_readers", "_writes", "_stamp", "_marks_io", "_batch_ok")
 KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}

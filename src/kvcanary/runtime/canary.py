@@ -218,12 +218,24 @@ class Canary:
         if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
             scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
                               self.truth_lens, HAS_TRITON)
-        elif self._use_truth(b) and not (self.cpu is not None and self.cpu.scatter(b)):
-            scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
-                                  pool_out=self.truth, error_flag=self.state.error)
-            bs = b.batch_size
-            torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
+        elif self._use_truth(b) and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
+            self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
+
+    def _scatter_truth(self, b: ForwardBatch) -> None:
+        scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
+                              pool_out=self.truth, error_flag=self.state.error)
+        torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[: b.batch_size])
+
+    def _cpu_check(self, b: ForwardBatch, tag: int, stamp: bool) -> bool:
+        """HEAD or TAIL through the CPU path (``runtime.cpu_forward``); False: run the ops (the
+        truth scatter HEAD's call would have made, made first)."""
+        if self.cpu.check(b, tag, stamp, self._use_truth(b), self.held if stamp else None):
+            return True
+        pending = self.cpu.take_scatter()
+        if pending is not None and self._use_truth(pending):
+            self._scatter_truth(pending)
+        return False
 
     def _check_truth_batch(self, b: ForwardBatch) -> None:
         """What the truth scatter on CUDA needs beyond what ``ForwardBatch`` checked when it was
@@ -244,7 +256,7 @@ class Canary:
             return
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
-        if self.cpu is not None and self.cpu.check(b, tag, True, self._use_truth(b), self.held):
+        if self.cpu is not None and self._cpu_check(b, tag, True):
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
@@ -286,7 +298,7 @@ class Canary:
             return
         t0 = time.perf_counter()
         tag = self.tag(LaunchPoint.TAIL)
-        if self.cpu is not None and self.cpu.check(b, tag, False, self._use_truth(b)):
+        if self.cpu is not None and self._cpu_check(b, tag, False):
             self._replays = max(self._replays - 1, 0)
             self.totals.seconds += time.perf_counter() - t0
             return

@@ -1,5 +1,5 @@
-"""A Canary's per-forward work on the CPU: the truth scatter, HEAD and TAIL as one compiled call
-each (``ops._cpu.BoundForward``), with the Python around them cut to what changes per batch.
+"""A Canary's per-forward work on the CPU: the truth scatter with HEAD, and TAIL, as one compiled
+call each (``ops._cpu.BoundForward``), with the Python around them cut to what changes per batch.
 
 On a CPU the ops' own argument checks cost more than the kernel they guard (a decode step of
 the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check splits three ways:
@@ -14,8 +14,10 @@ the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check split
 
 Whatever fails, the call returns False having written nothing, and the Canary runs the op
 itself, which raises the error that names the argument (or, where it accepts, produces the
-same bytes: the kernels are the same). The batch's numpy views are made once for its scatter,
-HEAD and TAIL.
+same bytes: the kernels are the same). The batch's numpy views are made once for its HEAD and
+TAIL. ``prepare_head`` leaves the truth scatter to HEAD's call (the table is read by HEAD and
+TAIL alone): when that call refuses the batch, the Canary makes the scatter through the op
+first (which raises for bad offsets or rows), then runs the ops.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class CpuForward:
         self._batch: ForwardBatch | None = None
         self._arrays: tuple | None = None
         self._tensors: tuple = ()
+        self._scatter_for: ForwardBatch | None = None  # prepare_head's batch, its truth scatter left to its HEAD
         self._ptrs: list = []
 
     def _arrays_of(self, b: ForwardBatch) -> tuple | None:
@@ -76,14 +79,24 @@ class CpuForward:
         self._batch = b
         return self._arrays
 
-    def scatter(self, b: ForwardBatch) -> bool:
-        """``scatter_req_token_ids`` of the batch's truth into the canary's table, and its lengths."""
-        if self.bound is None or self._arrays_of(b) is None:
+    def defer_scatter(self, b: ForwardBatch) -> bool:
+        """Leave ``b``'s truth scatter to its HEAD (``check``), which makes it in the same compiled
+        call; False where this path does not serve (the caller scatters now)."""
+        if self.bound is None:
             return False
-        return self.bound.scatter(b.truth_ids.numpy(), b.truth_offsets.numpy(), self._arrays[0])
+        self._scatter_for = b
+        return True
+
+    def take_scatter(self) -> ForwardBatch | None:
+        """The batch whose truth scatter is still to be made (by the caller, before it runs the
+        ops' path), forgotten here."""
+        b, self._scatter_for = self._scatter_for, None
+        return b
 
     def check(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, held: torch.Tensor | None = None) -> bool:
-        """HEAD (``stamp``, with the idle cached slots ``held``) or TAIL of ``b``."""
+        """HEAD (``stamp``, with the idle cached slots ``held``) or TAIL of ``b``, after ``b``'s
+        deferred truth scatter when there is one. False (nothing written): the caller makes the
+        deferred scatter (``take_scatter``), then runs the ops."""
         arrays = self._arrays_of(b)
         if arrays is None:
             return False
@@ -91,7 +104,20 @@ class CpuForward:
             if held.dtype != torch.int64 or held.dim() != 1 or held.device.type != "cpu":
                 return False
             held = held.numpy()
-        return self.bound.check(arrays, held, tag, stamp, truth)
+        pending = self._scatter_for
+        scatter = None
+        if pending is b:
+            try:
+                scatter = (b.truth_ids.numpy(), b.truth_offsets.numpy())
+            except (TypeError, RuntimeError):
+                return False
+        elif pending is not None:  # another batch's: its rows are rewritten by any batch that reads them
+            self._scatter_for = None
+        if not self.bound.check(arrays, held, tag, stamp, truth, scatter):
+            return False
+        if scatter is not None:
+            self._scatter_for = None
+        return True
 
     def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:
         """A sweep's ``verify`` of these host-list entries, without filling the sweep plan's tensors."""
