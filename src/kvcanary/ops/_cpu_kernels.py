@@ -67,9 +67,14 @@ def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sour
                 continue
             # an integer division costs tens of cycles: token-major pools (page 1) need none
             base = s * stride_w if page == 1 else (s // page) * stride_w + (s % page) * token_w
-            acc = np.uint64(0)
-            for w in range(n_words):
-                acc += (np.uint64(kv[base + w]) & _LOW32) * np.uint64(2 * w + 1)
+            if n_words == 4:  # partial: the sum below, unrolled
+                acc = ((np.uint64(kv[base]) & _LOW32) + (np.uint64(kv[base + 1]) & _LOW32) * np.uint64(3)
+                       + (np.uint64(kv[base + 2]) & _LOW32) * np.uint64(5)
+                       + (np.uint64(kv[base + 3]) & _LOW32) * np.uint64(7))
+            else:
+                acc = np.uint64(0)
+                for w in range(n_words):
+                    acc += (np.uint64(kv[base + w]) & _LOW32) * np.uint64(2 * w + 1)
             part = _mix(acc * _GOLDEN + salt)
             total[e] += part
             side[e] |= (part & _LOW16) << shift
