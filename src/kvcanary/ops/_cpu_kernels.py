@@ -48,14 +48,14 @@ def _translate(s, lut, has_lut):
 
 
 def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sources):
-    """``fingerprint_torch`` of ``slots[:n]`` into ``out`` and their side words into ``tags``
-    (slots outside (0, num_slots): left as they are).
+    """``fingerprint_torch`` of ``slots[:n]`` into ``out`` and their side words into ``tags``, which
+    hold zeros on entry (slots outside (0, num_slots): left so); the parts are summed in place.
     One call for all entries: every array passed to a called function costs a reference-count
     update, so the arrays cross once, not once per entry; for the same reason the sources are
     the outer loop (one source array picked per source, not per entry and source)."""
     num_slots = words.shape[0]
-    total = np.zeros(n, dtype=np.uint64)
-    side = np.zeros(n, dtype=np.uint64)
+    total = out.view(np.uint64)
+    side = tags.view(np.uint64)
     for i in range(num_sources):
         kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
         page, stride_w, token_w, n_words = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
@@ -83,7 +83,6 @@ def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sour
         if s <= 0 or s >= num_slots:
             continue
         out[e] = np.int64(_mix(total[e] ^ _FP_SEED))
-        tags[e] = np.int64(side[e])
 
 
 def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
