@@ -1,5 +1,5 @@
 """A Canary's per-forward work on the CPU: the truth scatter with HEAD, and TAIL, as one compiled
-call each (``ops._cpu.BoundForward``), with the Python around them cut to what changes per batch.
+call each (``ops.backend.BoundForward``), with the Python around them cut to what changes per batch.
 
 On a CPU the ops' own argument checks cost more than the kernel they guard (a decode step of
 the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check splits three ways:
@@ -26,7 +26,7 @@ import torch
 
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import KVCanaryError
-from kvcanary.ops._cpu import BoundForward, batch_arrays
+from kvcanary.ops.backend import BoundForward, batch_arrays
 from kvcanary.ops.fingerprint import validate_meta, validate_sources
 from kvcanary.ops.state import DeviceState
 from kvcanary.ops.validation import host_forward_ok
