@@ -239,7 +239,9 @@ class BoundForward:
         self.state_arrays = _state_arrays(state, sources, meta)
         self.num_sources, self.window = len(sources), window
         self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
-        self.scratch = _marks(state.num_slots)
+        # this canary's own conflict scratch: the per-thread one of ``_marks`` would be shared by two
+        # canaries of one pool size, whose kernels may run at once (no GIL) on two threads
+        self.scratch = np.full((2, state.num_slots), _UNMARKED, dtype=np.int64)
         self.error = state.error.numpy()
         self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
