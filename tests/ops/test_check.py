@@ -340,3 +340,24 @@ def test_a_batch_changed_after_its_head_is_validated_again(backend):
     with pytest.raises(ValueError, match=r"req_pool_indices\[1\] out of range"):
         check_forward(state=state, **w, backend=backend)
     assert state.records.equal(before)
+
+
+@pytest.mark.parametrize("stamp", [True, False], ids=["head", "tail"])
+def test_requests_sharing_a_damaged_prefix_report_every_entry(stamp):
+    """Two requests whose page tables share a damaged prefix (a prefix-cache hit): each request's
+    entries are checked and reported in entry order, fingerprints included, by every backend
+    (the compiled kernel folds each distinct slot once)."""
+    gen = torch.Generator().manual_seed(21)
+    w = make_world(gen, [14, 2, 5], [1, 1, 2], mode=FingerprintMode.PARTIAL, with_truth=True, corrupt=0.3,
+                   lut=False, window=0, stamp=stamp, tag=4)
+    w["req_pool_indices"] = torch.tensor([1, 2, 3])
+    w["req_to_token"][2, :14] = w["req_to_token"][1, :14]  # request 2 reads request 1's 14 slots
+    w["prefix_lens"][1] = 14
+    w["truth"][2, :14] = w["truth"][1, :14]
+    w["truth_lens"][1] = 14
+    rows = check_all(w)
+    shared = {int(s) for s in w["req_to_token"][1, :14].tolist()}
+    twice = [s for s in shared if sum(r[1] == s for r in rows) >= 2]
+    assert twice, "no shared slot was reported for both requests"
+    if not stamp:
+        assert any(r[7] & int(Reason.FINGERPRINT) and r[1] in shared for r in rows)

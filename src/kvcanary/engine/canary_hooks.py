@@ -92,6 +92,7 @@ class CanaryHooks(EngineHooks):
         self.tail_layer: int | None = None  # the layer after whose attention TAIL starts (``layer_done``)
         self.step = 0
         self.reports: list[StepReport] = []
+        self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
 
     def attach(self, engine: Engine) -> Canary:
         cfg = engine.config
@@ -117,7 +118,15 @@ class CanaryHooks(EngineHooks):
         return self.canary
 
     def _window_batch(self, batch: ForwardBatch) -> ForwardBatch:
-        return dataclasses.replace(batch, slot_lut=self.engine.pool.window.lut)
+        """The batch with the window pool's slot table, built (and checked) once per batch: its
+        prologue, epilogue and report get the same object (the CPU path reuses its views)."""
+        lut = self.engine.pool.window.lut
+        cached = self._window_batches
+        if cached is not None and cached[0] is batch and cached[1].slot_lut is lut:
+            return cached[1]
+        wb = dataclasses.replace(batch, slot_lut=lut)
+        self._window_batches = (batch, wb)
+        return wb
 
     def before_forward(self, batch: ForwardBatch) -> None:
         if self.canary.sweep_due(self.step):

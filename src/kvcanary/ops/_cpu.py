@@ -1,5 +1,5 @@
 """Compiled CPU kernels (numba): a whole HEAD or TAIL of ``check_forward``, a plan's ``verify``
-and the truth scatter, in one call each.
+and the truth scatter, in one call each; their source is ``ops._cpu_kernels``.
 
 On a CPU the torch paths spend their time in dispatch, not arithmetic: a decode step's HEAD and
 TAIL are a few hundred entries each, and every one of their ~400 small torch calls costs a few
@@ -15,13 +15,18 @@ kernels and the pure-Python references).
 | ``verify``| ``verify`` of a plan (sweeps, landed copies)                                        |
 | ``scatter``| ``scatter_req_token_ids``                                                          |
 
+``check`` builds no plan: it verifies each entry as it walks the page table, and at TAIL folds
+each distinct slot's fingerprint once (requests that share a prefix read the same slots).
+
 Numba is optional: ``usable()`` is False where it is missing or fails to import, and the torch
 paths serve. It is imported on first use, not with kvcanary (importing it takes about half a
-second). Each kernel has one explicit signature (any array layout), compiled on first use and
-cached next to this file, so a machine compiles it once; ``compile_kernels()`` does it up front
-and returns the seconds it took. Arguments are numpy views of the op's tensors
-(``torch.Tensor.numpy()``, shared storage); absent optional tensors are passed as 1-element
-dummies with their flag off.
+second). Each kernel has one explicit signature (C-contiguous arrays where every caller passes
+them, any layout for tables and K/V sources), compiled on first use and cached next to its
+source, so a machine compiles it once; ``compile_kernels()`` does it up front (and calls each
+kernel once on dummies, so no step pays numba's first-call type resolution) and returns the
+seconds it took. Arguments are numpy views of the op's tensors (``torch.Tensor.numpy()``,
+shared storage); absent optional tensors are passed as 1-element dummies with their flag off.
+``BoundForward`` binds everything but the batch once: a CPU Canary's per-step path.
 """
 
 from __future__ import annotations
@@ -34,404 +39,16 @@ import time
 import numpy as np
 import torch
 
-from kvcanary.core.hashing import ANCHOR, GOLDEN, MIX1, MIX2, TOKEN_SALT
+from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOLATION_ROW_WIDTH
 from kvcanary.errors import InputError
+from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops._common import Backend
-from kvcanary.ops.fingerprint import FP_SEED
-from kvcanary.ops.landed import MARK_SEED
+from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _TRUTH, _UNMARKED
 
 log = logging.getLogger("kvcanary")
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
 
-_M1, _M2, _GOLDEN, _SALT, _FP_SEED, _MARK_SEED = (np.uint64(x) for x in (MIX1, MIX2, GOLDEN, TOKEN_SALT, FP_SEED,
-                                                                         MARK_SEED))
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_ANCHOR_S = np.int64(ANCHOR - (1 << 64) if ANCHOR >> 63 else ANCHOR)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_LOW16 = np.uint64(0xFFFF)
-_UNMARKED = np.int64(2**63 - 1)
-# reason bits (core.record.Reason)
-_CHAIN, _POSITION, _FINGERPRINT, _WRITE_TOKEN, _WRITE_POSITION, _VERIFY_TOKEN = 1, 2, 4, 8, 16, 32
-_BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT, _MISSED_WRITE = 64, 128, 256, 512
-# flags of the check kernel
-_STAMP, _TRUTH, _LUT, _HELD = 1, 2, 4, 8
-
-
-def _mix(z):
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
-
-
-def _link(token, position):
-    """``core.hashing.link`` of int64 token and position, as uint64."""
-    h = _mix(np.uint64(token) ^ _SALT)
-    return _mix(h ^ (np.uint64(position) * _GOLDEN))
-
-
-def _translate(s, lut, has_lut):
-    """``plan._translate_torch`` of slot s: through the LUT (-1 outside it), then 0 -> -1."""
-    if has_lut:
-        s = lut[s] if 0 <= s < lut.shape[0] else np.int64(-1)
-    return np.int64(-1) if s == 0 else np.int64(s)
-
-
-def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sources):
-    """``fingerprint_torch`` of ``slots[:n]`` into ``out`` and their side words into ``tags``
-    (slots outside (0, num_slots): left as they are).
-    One call for all entries: every array passed to a called function costs a reference-count
-    update, so the arrays cross once, not once per entry."""
-    num_slots = words.shape[0]
-    for e in range(n):
-        s = slots[e]
-        if s <= 0 or s >= num_slots:
-            continue
-        total = np.uint64(0)
-        side = np.uint64(0)
-        for i in range(num_sources):
-            kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
-            page, stride_w, token_w, n_words = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
-            # an integer division costs tens of cycles: token-major pools (page 1) need none
-            base = s * stride_w if page == 1 else (s // page) * stride_w + (s % page) * token_w
-            acc = np.uint64(0)
-            for w in range(n_words):
-                acc += (np.uint64(kv[base + w]) & _LOW32) * np.uint64(2 * w + 1)
-            part = _mix(acc * _GOLDEN + np.uint64(i + 1) * _GOLDEN)
-            total += part
-            side |= (part & _LOW16) << np.uint64(16 * i)
-        out[e] = np.int64(_mix(total ^ _FP_SEED))
-        tags[e] = np.int64(side)
-
-
-def _append(ring, counter, tag, slot, pos, tok, etok, stored, want, reasons):
-    """``_ring.append_violations_torch`` for one row: kept while the ring has room, always counted."""
-    k = counter[0]
-    if 0 <= k < ring.shape[0]:
-        ring[k, 0], ring[k, 1], ring[k, 2], ring[k, 3] = tag, slot, pos, tok
-        ring[k, 4], ring[k, 5], ring[k, 6], ring[k, 7] = etok, stored, want, reasons
-    counter[0] = k + 1
-
-
-def _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2,
-                    kv3, meta, num_sources, src_tags, halves):
-    """``verify._verify_torch`` of entries [0, m): one launch, the checked count, ring rows in entry
-    order; a FINGERPRINT row's tag names the sources whose part differs from the side word in
-    ``src_tags`` (``fingerprint.mismatch_tag_torch``; ``halves``: bit i = source i's half). The
-    loop reads arrays itself and calls only scalar functions (see ``_fingerprints``)."""
-    num_slots = words.shape[0]
-    stats[tag, 0] += 1
-    k = m if num_sources > 0 else 0
-    fps = np.zeros(k, dtype=np.int64)
-    exp_tags = np.zeros(k, dtype=np.int64)
-    if num_sources > 0:
-        _fingerprints(words, slot, m, fps, exp_tags, kv0, kv1, kv2, kv3, meta, num_sources)
-    checked = 0
-    for e in range(m):
-        s, q, p, etok = np.int64(slot[e]), np.int64(pred[e]), np.int64(position[e]), np.int64(token[e])
-        if s == 0:
-            continue
-        checked += 1
-        if s < 0 or s >= num_slots:  # an unresolvable entry: BAD_ENTRY naming the entry and its row
-            _append(ring, counter, tag, np.int64(entry[e]), p, -1, etok, np.int64(prow[e]), s, _BAD_ENTRY)
-            continue
-        tok, spos, chain = words[s, 0], words[s, 1], words[s, 2]
-        pred_ok = 0 < q < num_slots
-        exp_chain = _ANCHOR_S
-        if pred_ok:
-            exp_chain = np.int64(np.uint64(words[q, 2]) + _link(words[q, 0], words[q, 1]))
-        chain_bad = (pred_ok or p == 0) and chain != exp_chain
-        pos_bad = spos != p
-        tok_bad = etok != -1 and tok != etok
-        fp_bad = num_sources > 0 and words[s, 3] != fps[e]
-        if chain_bad or pos_bad or fp_bad or tok_bad:
-            reasons = (np.int64(chain_bad) * _CHAIN + np.int64(pos_bad) * _POSITION
-                       + np.int64(fp_bad) * _FINGERPRINT + np.int64(tok_bad) * _VERIFY_TOKEN)
-            row_tag = np.int64(tag)
-            if fp_bad:  # the half of the first source whose part differs (the first source's when none)
-                diff = src_tags[s] ^ exp_tags[e]
-                mask = np.int64(0)
-                half = np.int64(halves & 1)
-                for i in range(num_sources - 1, -1, -1):
-                    if (diff >> (16 * i)) & 0xFFFF != 0:
-                        mask |= np.int64(1) << i
-                        half = np.int64((halves >> i) & 1)
-                row_tag = (np.int64(tag) & ~np.int64(1)) | half | (mask << 8)
-            if chain_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, chain, exp_chain, reasons)
-            elif pos_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, spos, p, reasons)
-            elif fp_bad:
-                _append(ring, counter, row_tag, s, spos, tok, etok, words[s, 3], fps[e], reasons)
-            else:
-                _append(ring, counter, row_tag, s, spos, tok, etok, tok, etok, reasons)
-    stats[tag, 1] += checked
-
-
-def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, lut, held, scratch, ring, counter, stats,
-           kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
-    """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD.
-    Builds the plan's entries (request after request), verifies them (HEAD: no fingerprints),
-    then HEAD checks the write targets, stamps (every seed read before any write) and marks the
-    targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
-    fingerprints and side words of the others. ``scratch``: int64[2, num_slots] all _UNMARKED,
-    left so."""
-    stamp, has_truth, has_lut = (flags & _STAMP) != 0, (flags & _TRUTH) != 0, (flags & _LUT) != 0
-    bs = rpi.shape[0]
-    rows, max_ctx = rtt.shape[0], rtt.shape[1]
-    width = truth.shape[1]
-    lo = np.zeros(bs, dtype=np.int64)
-    hi = np.zeros(bs, dtype=np.int64)
-    m = 0
-    for r in range(bs):
-        if 1 <= rpi[r] < rows:
-            hi[r] = min(max(prefix[r], 0), max_ctx)
-            lo[r] = max(hi[r] - window, 0) if window > 0 else 0
-            m += hi[r] - lo[r]
-    slot = np.empty(m, dtype=np.int32)
-    pred = np.empty(m, dtype=np.int32)
-    position = np.empty(m, dtype=np.int32)
-    token = np.empty(m, dtype=np.int32)
-    entry = np.empty(m, dtype=np.int32)
-    prow = np.empty(m, dtype=np.int32)
-    e = 0
-    for r in range(bs):  # build_plan's entries: slot and predecessor through T, int32 like the plan's
-        row = rpi[r]
-        tlen = tlens[r] if has_truth else 0
-        prev = np.int64(-1)
-        if lo[r] > 0:
-            prev = _translate(np.int64(rtt[row, lo[r] - 1]), lut, has_lut)
-        for p in range(lo[r], hi[r]):
-            raw = rtt[row, p]
-            cur = _translate(np.int64(raw), lut, has_lut)
-            slot[e] = np.int32(cur)
-            pred[e] = np.int32(prev) if p > 0 else np.int32(-1)
-            position[e] = np.int32(p)
-            token[e] = truth[row, p] if has_truth and p < tlen and p < width else np.int32(-1)
-            entry[e] = raw
-            prow[e] = np.int32(row)
-            prev = cur
-            e += 1
-    _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2, kv3,
-                    meta, 0 if stamp else num_sources, src_tags, halves)
-    if stamp:
-        woff = np.zeros(bs + 1, dtype=np.int64)  # build_plan's write offsets: clamped extend lengths
-        for r in range(bs):
-            woff[r + 1] = woff[r] + max(extend[r], 0)
-        _writes(words, slot, prow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags)
-        _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring, counter, stats, tag,
-               has_truth, has_lut)
-        if num_sources > 0:
-            _marks_io(words.shape[0], ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources, halves,
-                      ring, counter, tag, True)
-    elif num_sources > 0:  # TAIL: the targets still marked, then the fingerprints of those that landed
-        n = ids.shape[0]
-        written = _marks_io(words.shape[0], ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources,
-                            halves, ring, counter, tag, False)
-        fps = np.zeros(n, dtype=np.int64)
-        side = np.zeros(n, dtype=np.int64)
-        _fingerprints(words, written, n, fps, side, kv0, kv1, kv2, kv3, meta, num_sources)
-        for t in range(n):
-            if 0 < written[t] < words.shape[0]:
-                words[written[t], 3] = fps[t]
-                src_tags[written[t]] = side[t]
-
-
-def _marks_io(num_slots, ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, num_sources, halves, ring, counter,
-              tag, mark):
-    """``landed.mark_writes`` (``mark``) or ``check_writes_landed``: the first four int32 words of
-    each valid target's row in every source get (or are compared with) the slot's mark. Returns
-    the translated slot per token, 0 where it missed (check) or is invalid."""
-    n = ids.shape[0]
-    written = np.zeros(n, dtype=np.int64)
-    for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
-        if not (0 < s < num_slots):
-            continue
-        b = np.uint64(s) ^ _MARK_SEED
-        m0, m1 = _mix(b), _mix(b + _GOLDEN)
-        w0, w1 = np.int32(np.uint32(m0 & _LOW32)), np.int32(np.uint32(m0 >> np.uint64(32)))
-        w2, w3 = np.int32(np.uint32(m1 & _LOW32)), np.int32(np.uint32(m1 >> np.uint64(32)))
-        bits = np.int64(0)
-        first = np.int64(-1)
-        for i in range(num_sources - 1, -1, -1):  # last to first: the first marked source's half stays
-            kv = kv0 if i == 0 else (kv1 if i == 1 else (kv2 if i == 2 else kv3))
-            page, stride_w, token_w = meta[i, 0], meta[i, 1], meta[i, 2]
-            base = s * stride_w if page == 1 else (s // page) * stride_w + (s % page) * token_w
-            if mark:
-                kv[base], kv[base + 1], kv[base + 2], kv[base + 3] = w0, w1, w2, w3
-            elif kv[base] == w0 and kv[base + 1] == w1 and kv[base + 2] == w2 and kv[base + 3] == w3:
-                bits |= np.int64(1) << i
-                first = np.int64((halves >> i) & 1)
-        if bits != 0:
-            _append(ring, counter, (np.int64(tag) & ~np.int64(1)) | first, s, pos[t], ids[t], -1, bits, 0,
-                    _MISSED_WRITE)
-        else:
-            written[t] = s
-    return written
-
-
-def _writes(words, eslot, erow, m, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, tag, flags):
-    """``conflicts._writes_torch``: WRITE_CONFLICT against the first writer of a slot, READ_CONFLICT
-    against the smallest row reading it (entries [0, m) of the plan; held slots: row 0). Rows in
-    token order. ``scratch[0, s]``: first writer token, ``scratch[1, s]``: smallest reader row;
-    every touched word is reset to _UNMARKED on return."""
-    num_slots, n, bs = words.shape[0], ids.shape[0], rpi.shape[0]
-    if n == 0 or bs == 0:
-        return
-    has_lut, has_held = (flags & _LUT) != 0, (flags & _HELD) != 0
-    for e in range(m):
-        s = np.int64(eslot[e])
-        if 0 < s < num_slots and erow[e] < scratch[1, s]:
-            scratch[1, s] = erow[e]
-    if has_held:
-        for i in range(held.shape[0]):
-            h = held[i]
-            if 0 < h < num_slots:
-                scratch[1, h] = 0
-    row = np.zeros(n, dtype=np.int64)
-    r = 0
-    for t in range(n):  # the request of token t: the segment [woff[r], woff[r + 1]) holding it
-        while r < bs and woff[r + 1] <= t:
-            r += 1
-        if r < bs:
-            row[t] = rpi[r]
-        s = _translate(loc[t], lut, has_lut)
-        if r < bs and 0 < s < num_slots and scratch[0, s] == _UNMARKED:
-            scratch[0, s] = t
-    for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
-        if not (0 < s < num_slots) or woff[bs] <= t:
-            continue
-        f = scratch[0, s]
-        dup = f != t
-        rd = scratch[1, s] != _UNMARKED
-        if dup or rd:
-            reasons = np.int64(dup) * _WRITE_CONFLICT + np.int64(rd) * _READ_CONFLICT
-            other = row[f] if dup else scratch[1, s]
-            _append(ring, counter, tag, s, pos[t], ids[t], -1, row[t], other, reasons)
-    for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
-        if 0 < s < num_slots:
-            scratch[0, s] = _UNMARKED
-            scratch[1, s] = _UNMARKED
-    for e in range(m):
-        s = np.int64(eslot[e])
-        if 0 < s < num_slots:
-            scratch[1, s] = _UNMARKED
-    if has_held:
-        for i in range(held.shape[0]):
-            h = held[i]
-            if 0 < h < num_slots:
-                scratch[1, h] = _UNMARKED
-
-
-def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring, counter, stats, tag, has_truth,
-           has_lut):
-    """``gather_expected_tokens`` + ``stamp._stamp_torch`` after ``build_plan``'s write offsets and seeds."""
-    num_slots, bs, n = words.shape[0], rpi.shape[0], ids.shape[0]
-    if n == 0 or bs == 0:
-        return
-    rows, max_ctx = rtt.shape[0], rtt.shape[1]
-    width = truth.shape[1]
-    base = np.empty(bs, dtype=np.uint64)
-    seed_pos = np.zeros(bs, dtype=np.int64)
-    seed_ok = np.zeros(bs, dtype=np.bool_)
-    for r in range(bs):  # every seed is read before any record is written
-        row = rpi[r]
-        base[r] = np.uint64(_ANCHOR_S)
-        p_end = min(max(prefix[r], 0), max_ctx)
-        if 1 <= row < rows and p_end > 0:
-            s = _translate(np.int64(rtt[row, p_end - 1]), lut, has_lut)
-            if 0 < s < num_slots:
-                seed_ok[r] = True
-                seed_pos[r] = words[s, 1]
-                base[r] = np.uint64(words[s, 2]) + _link(words[s, 0], words[s, 1])
-    chains = np.empty(n, dtype=np.int64)
-    stamped = 0
-    for r in range(bs):
-        start, end = woff[r], min(woff[r + 1], n)
-        row = rpi[r]
-        excl = np.uint64(0)
-        for t in range(start, end):
-            j = t - start
-            tid, tpos = ids[t], pos[t]
-            chains[t] = np.int64(base[r] + excl)
-            excl += _link(tid, tpos)
-            if row == 0:  # a padding request: neither stamped nor checked
-                continue
-            slot = _translate(loc[t], lut, True) if has_lut else loc[t]
-            exp_tok = tid
-            if has_truth:
-                p = prefix[r] + j
-                if 1 <= row < rows and 0 <= p < tlens[r] and p < width:
-                    exp_tok = np.int64(truth[row, p])
-            exp_pos = prefix[r] + j
-            pos_bad = tpos != exp_pos or (seed_ok[r] and j == 0 and seed_pos[r] + 1 != tpos)
-            want_pos = exp_pos if tpos != exp_pos else seed_pos[r] + 1
-            tok_bad = tid != exp_tok
-            bad = not (0 < slot < num_slots)
-            if pos_bad or tok_bad or bad:
-                reasons = np.int64(pos_bad) * _WRITE_POSITION + np.int64(tok_bad) * _WRITE_TOKEN \
-                    + np.int64(bad) * _BAD_ENTRY
-                if bad:
-                    _append(ring, counter, tag, loc[t], tpos, tid, exp_tok, row, slot, reasons)
-                elif pos_bad:
-                    _append(ring, counter, tag, slot, tpos, tid, exp_tok, tpos, want_pos, reasons)
-                else:
-                    _append(ring, counter, tag, slot, tpos, tid, exp_tok, tid, exp_tok, reasons)
-    for r in range(bs):  # then the records, in token order
-        if rpi[r] == 0:
-            continue
-        for t in range(woff[r], min(woff[r + 1], n)):
-            slot = _translate(loc[t], lut, True) if has_lut else loc[t]
-            if 0 < slot < num_slots:
-                words[slot, 0], words[slot, 1], words[slot, 2], words[slot, 3] = ids[t], pos[t], chains[t], 0
-                stamped += 1
-    stats[tag, 2] += stamped
-
-
-def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring, counter, stats, kv0, kv1, kv2, kv3,
-            meta, src_tags, num_sources, halves, tag):
-    """``verify._verify_torch``: the entries below min(count, capacity) of an enabled plan."""
-    m = min(max(count[0], 0), slot.shape[0]) if enable[0] != 0 else 0
-    _verify_entries(words, slot, pred, position, token, entry, prow, m, ring, counter, stats, tag, kv0, kv1, kv2, kv3,
-                    meta, num_sources, src_tags, halves)
-
-
-def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens):
-    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
-    ``has_lens``: also each request's segment length into ``lens``."""
-    n, bs = flat.shape[0], rpi.shape[0]
-    if has_lens:
-        for r in range(bs):
-            lens[r] = offsets[r + 1] - offsets[r]
-    rows, width = out.shape[0], out.shape[1]
-    bad_off = offsets[0] != 0 or offsets[bs] != n
-    bad_rows = False
-    for r in range(bs):
-        bad_off = bad_off or offsets[r + 1] < offsets[r]
-        bad_rows = bad_rows or rpi[r] < 0 or rpi[r] >= rows
-    error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
-    for r in range(bs):
-        a, b, row = offsets[r], offsets[r + 1], rpi[r]
-        if 0 <= a <= b <= n and 0 <= row < rows:
-            for c in range(min(b - a, width)):
-                out[row, c] = np.int32(flat[a + c])
-
-
-_CHECK_SIG = ("void(int64[:, :], int64[:], int64[:], int64[:], int32[:, :], int64[:], int64[:], int64[:], "
-              "int32[:, :], int64[:], int64[:], int64[:], int64[:, :], int64[:, :], int64[:], int64[:, :], "
-              "int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], int64, int64, int64, int64, int64)")
-_VERIFY_SIG = ("void(int64[:, :], int32[:], int32[:], int32[:], int32[:], int32[:], int32[:], int64[:], int32[:], "
-               "int64[:, :], int64[:], int64[:, :], int32[:], int32[:], int32[:], int32[:], int64[:, :], int64[:], "
-               "int64, int64, int64)")
-_SCATTER_SIG = "void(int64[:], int64[:], int64[:], int32[:, :], int32[:], int64[:], boolean)"
-# inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
-# became reference-count updates on every entry: 2x slower on a clean step)
-_INLINED = ("_mix", "_link", "_translate")
-_CALLED = ("_fingerprints", "_append", "_verify_entries", "_writes", "_stamp", "_marks_io")
-_KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
 _compiled: dict[str, object] = {}
 _lock = threading.Lock()
 _usable: bool | None = None
@@ -452,13 +69,13 @@ def kernel(name: str):
 
         global _jitted
         if not _jitted:  # the called functions become numba functions before the first kernel compiles
-            for fn_name in _CALLED:
-                globals()[fn_name] = numba.njit(error_model="numpy")(globals()[fn_name])
-            for fn_name in _INLINED:
-                globals()[fn_name] = numba.njit(inline="always")(globals()[fn_name])
+            for fn_name in _k.CALLED:
+                setattr(_k, fn_name, numba.njit(error_model="numpy")(getattr(_k, fn_name)))
+            for fn_name in _k.INLINED:
+                setattr(_k, fn_name, numba.njit(inline="always")(getattr(_k, fn_name)))
             _jitted = True
-        py, sig = _KERNELS[name]
-        fn = _compiled[name] = numba.njit(sig, cache=True, nogil=True, error_model="numpy")(globals()[py])
+        py, sig = _k.KERNELS[name]
+        fn = _compiled[name] = numba.njit(sig, cache=True, nogil=True, error_model="numpy")(getattr(_k, py))
     return fn
 
 
@@ -471,14 +88,30 @@ def usable() -> bool:
             _usable = False
         else:
             try:
-                for name in _KERNELS:
+                for name in _k.KERNELS:
                     kernel(name)
+                _warm_dispatch()
                 _usable = True
             except Exception as exc:  # a broken install (numba vs numpy versions): fall back, loudly once
                 log.warning("kv_canary: the compiled CPU kernels are unavailable (%s: %s); the torch paths serve",
                             type(exc).__name__, exc)
                 _usable = False
     return _usable
+
+
+def _warm_dispatch() -> None:
+    """One call of each kernel on empty dummies (nothing outside them is touched): the first call
+    of a compiled function with given argument types costs milliseconds of type resolution in
+    numba's dispatcher (and numpy imports ``numpy.ma`` for it), which no step should pay."""
+    i64, i32 = (lambda *shape: np.zeros(shape, dtype=np.int64)), (lambda *shape: np.zeros(shape, dtype=np.int32))
+    stats, ring = i64(NUM_LAUNCH_TAGS, NUM_STATS), i64(1, VIOLATION_ROW_WIDTH)
+    kv = (i32(4), i32(4), i32(4), i32(4))
+    batch = (i64(0), i64(0), i64(0), i32(1, 1), i64(0), i64(0), i64(0))
+    kernel("check")(i64(2, 4), *batch, i32(1, 1), i64(1), i64(0), i64(1), i64(1), i64(1), i64(2, 2), ring, i64(1),
+                    stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, _SCATTER)
+    plan = [i32(1) for _ in range(6)]
+    kernel("verify")(i64(2, 4), *plan, i64(1), i32(1), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0)
+    kernel("scatter")(i64(0), i64(1), i64(0), i32(1, 1), i32(1), i64(1), True, True)
 
 
 def compile_kernels() -> float:
@@ -567,13 +200,14 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
     flags = (_STAMP if stamp else 0) | (_TRUTH if truth is not None else 0) | (_LUT if lut is not None else 0) \
         | (_HELD if held is not None and stamp else 0)
     words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = _state_arrays(state, sources, meta)
-    kernel("check")(
+    status = kernel("check")(
         words, rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(),
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
-        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1,
+        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1, _DUMMY_I64_1, _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
-        _marks(state.num_slots) if stamp else _DUMMY_I64_2, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
+        _marks(state.num_slots), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
         src_tags, len(sources), halves, window, tag, flags)
+    assert status == 0, "check_forward validated values the kernel refused"
 
 
 def verify(state, plan, tag: int, sources, meta) -> None:
@@ -589,4 +223,81 @@ def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=N
     """``scatter_req_token_ids`` on CPU tensors (validated by the caller) through the compiled kernel;
     ``lens_out`` (int64[>= bs] or None): each request's segment length too."""
     kernel("scatter")(flat_in.numpy(), offsets.numpy(), req_pool_indices.numpy(), _np(pool_out), error_flag.numpy(),
-                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None)
+                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None, False)
+
+
+class BoundForward:
+    """``check_forward`` and the truth scatter of one pool, with every argument but the batch
+    bound once: the state's views, sources, fingerprint table, truth table and lengths, window,
+    conflict scratch (a Canary's per-step path on the CPU, ``runtime.cpu_forward``). The batch
+    comes as numpy views (``batch_arrays``). Each call returns False, having written nothing,
+    when the batch's values are out of the ranges the ops accept or an array is not contiguous:
+    the caller then runs the op itself, which raises its error. The caller checks the rest of
+    what the ops check once per batch (``validation.host_forward_ok``)."""
+
+    def __init__(self, state, sources, meta, truth, truth_lens, window: int, capacity: int):
+        self.state_arrays = _state_arrays(state, sources, meta)
+        self.num_sources, self.window = len(sources), window
+        self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
+        # this canary's own conflict scratch: the per-thread one of ``_marks`` would be shared by two
+        # canaries of one pool size, whose kernels may run at once (no GIL) on two threads
+        self.scratch = np.full((2, state.num_slots), _UNMARKED, dtype=np.int64)
+        self.error = state.error.numpy()
+        self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
+        self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
+        self.capacity = capacity
+
+    def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray) -> bool:
+        """Token truth of the batch into the truth table and each request's length into the lengths."""
+        try:
+            return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True) == 0
+        except TypeError:  # a non-contiguous array: refused by the signature before anything ran
+            return False
+
+    def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool,
+              scatter: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+        """HEAD (``stamp``) or TAIL of ``batch`` = ``batch_arrays(...)``; ``truth``: check tokens
+        against the truth table; ``scatter``: the forward's (truth ids, offsets), scattered into
+        the truth table and lengths first, in the same call; ``held``: int64 numpy slots or None."""
+        rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
+        words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
+        flags = (_STAMP if stamp else 0) | (_TRUTH if truth else 0) | (_LUT if lut is not None else 0) \
+            | (_HELD if held is not None and stamp else 0) | (_SCATTER if scatter is not None else 0)
+        flat, offsets = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1)
+        try:
+            return self._check(
+                words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth or scatter else _DUMMY_I32_2,
+                self.truth_lens if truth or scatter else _DUMMY_I64_1, flat, offsets,
+                _DUMMY_I64_1 if lut is None else lut, held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring,
+                counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag,
+                flags) == 0
+        except TypeError:  # a non-contiguous batch array: refused by the signature before anything ran
+            return False
+
+    def verify(self, slot: list, pred: list, position: list, token: list, tag: int) -> bool:
+        """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most
+        ``capacity`` of them, fingerprints included; False (nothing written) where they do not fit
+        that plan."""
+        n = len(slot)
+        if n > self.capacity:
+            return False
+        if n == 0:  # what the kernel does with no entries: count the launch (through CPython, not numpy)
+            self.stats_words[tag * NUM_STATS + STAT_LAUNCHES] += 1
+            return True
+        try:
+            plan = np.array([slot, pred, position, token, slot, [0] * n], dtype=np.int32).reshape(6, n)
+        except (OverflowError, ValueError):  # values the plan's int32 columns cannot hold
+            return False
+        words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
+        self._verify(words, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], np.array([n]), _ONE_I32, ring,
+                     counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, tag)
+        return True
+
+
+_ONE_I32 = np.ones(1, dtype=np.int32)
+
+
+def batch_arrays(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, lut) -> tuple:
+    """Numpy views of a forward's CPU tensors, for ``BoundForward.check`` (``lut`` may be None)."""
+    return (rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(), loc.numpy(),
+            None if lut is None else lut.numpy())

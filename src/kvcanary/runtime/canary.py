@@ -51,6 +51,7 @@ from kvcanary.ops.stamp import stamp
 from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import verify
 from kvcanary.runtime.batch import BatchError, ForwardBatch
+from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import SweepRun, sweep_entries
@@ -133,6 +134,7 @@ class Canary:
     def __init__(self, config: CanaryConfig, geometry: PoolGeometry, *, sources: Sequence[KVSource] = (),
                  pool: PoolKind = PoolKind.FULL, window: int = 0, warmup: bool = True):
         self.config, self.geometry, self.pool = config, geometry, pool
+        self._tags = {p: LaunchTag(p, pool).value for p in LaunchPoint}  # looked up at every launch
         self.window = window  # > 0: a sliding-window pool, addressed through ForwardBatch.slot_lut
         dev = torch.device(geometry.device)
         # records, ring, counter, stats, error flags, check_forward workspaces: one validated object
@@ -149,6 +151,9 @@ class Canary:
         self.fused = self.backend is not None
         self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
         self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
+        # on the CPU: the truth scatter, HEAD and TAIL as one compiled call each, the Python around them cut
+        self.cpu = CpuForward(config, self.state, self.sources, self.meta, self.truth, self.truth_lens, window,
+                              self.sweep_plan.capacity) if self.backend is Backend.NUMBA else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
                                  tuple((src.layer, src.half) for src in self.sources), error=self.state.error,
                                  block=self.state.counter_block())
@@ -182,7 +187,7 @@ class Canary:
         return self.warmup_seconds
 
     def tag(self, point: LaunchPoint) -> int:
-        return LaunchTag(point, self.pool).value
+        return self._tags[point]
 
     def join(self) -> None:
         """Order the current stream after the canary's side-stream work (``CanaryConfig.overlap``).
@@ -237,12 +242,24 @@ class Canary:
         if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
             scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
                               self.truth_lens, HAS_TRITON)
-        elif self._use_truth(b):
-            scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
-                                  pool_out=self.truth, error_flag=self.state.error)
-            bs = b.batch_size
-            torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[:bs])
+        elif self._use_truth(b) and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
+            self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
+
+    def _scatter_truth(self, b: ForwardBatch) -> None:
+        scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
+                              pool_out=self.truth, error_flag=self.state.error)
+        torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[: b.batch_size])
+
+    def _cpu_check(self, b: ForwardBatch, tag: int, stamp: bool) -> bool:
+        """HEAD or TAIL through the CPU path (``runtime.cpu_forward``); False: run the ops (the
+        truth scatter HEAD's call would have made, made first)."""
+        if self.cpu.check(b, tag, stamp, self._use_truth(b), self.held if stamp else None):
+            return True
+        pending = self.cpu.take_scatter()
+        if pending is not None and self._use_truth(pending):
+            self._scatter_truth(pending)
+        return False
 
     def _check_truth_batch(self, b: ForwardBatch) -> None:
         """What the truth scatter on CUDA needs beyond what ``ForwardBatch`` checked when it was
@@ -263,6 +280,10 @@ class Canary:
             return
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        if self.cpu is not None and self._cpu_check(b, tag, True):
+            self.held = None
+            self.totals.seconds += time.perf_counter() - t0
+            return
         truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
         if self.side is not None:
             self._launch_head_overlapped(b, tag, truth, truth_lens)
@@ -350,6 +371,10 @@ class Canary:
             return
         t0 = time.perf_counter()
         tag = self.tag(LaunchPoint.TAIL)
+        if self.cpu is not None and self._cpu_check(b, tag, False):
+            self._replays = max(self._replays - 1, 0)
+            self.totals.seconds += time.perf_counter() - t0
+            return
         if self.side is not None:
             if not self._tail_started:
                 with torch.cuda.stream(self._fork()):
@@ -422,6 +447,8 @@ class Canary:
         """Load the sweep plan with entries (int64 host arrays or sequences) and verify it."""
         self.join()
         p, n = self.sweep_plan, len(slot)
+        if self.cpu is not None and self.cpu.verify(slot, pred, pos, tok, self.tag(LaunchPoint.SWEEP)):
+            return n  # the compiled verify of the entries themselves: no plan tensors filled
         if n:
             dev = p.slot.device
             cols = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)])
@@ -535,12 +562,18 @@ class Canary:
         self.join()  # the counters are copied on the current stream
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         self._meta.step = step
-        self.reporter.snapshot(self._meta, replays=self._replays)
+        if self.reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
+            report.violations = self.reporter.read_host(self._meta)
+            self._meta = StepMeta(step + 1)
+            self.totals.steps += 1
+            report.alarms = self.watchdog.observe_launches(self.reporter.host_launches())
+        else:
+            self.reporter.snapshot(self._meta, replays=self._replays)
+            self._meta = StepMeta(step + 1)
+            report.violations = self.reporter.collect()
+            self.totals.steps += 1
+            report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         self._replays = 0
-        self._meta = StepMeta(step + 1)
-        report.violations = self.reporter.collect()
-        self.totals.steps += 1
-        report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
         report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
@@ -555,6 +588,8 @@ class Canary:
         err = self.state.error
         if err.is_cuda and not flush:
             bits = self.reporter.flags_read
+        elif self.cpu is not None:  # the same word through numpy: no torch dispatch a step
+            bits = self.cpu.error[0]
         else:
             bits = int(err[0])  # on CUDA this syncs: the end of a run
         if bits:

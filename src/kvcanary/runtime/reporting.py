@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from kvcanary.core.record import (
+    NUM_STATS,
+    STAT_LAUNCHES,
     Half,
     LaunchPoint,
     LaunchTag,
@@ -171,8 +173,8 @@ def _owners_by_row(b, table_row: int, position: int) -> tuple[tuple[object, int]
 @dataclass
 class _Snapshot:
     meta: StepMeta
-    counter: torch.Tensor | None  # CPU snapshots: the copies; CUDA snapshots read their row instead
-    stats: torch.Tensor | None
+    counter: torch.Tensor | np.ndarray | None  # CPU: the copies (the block's words, or the counter's);
+    stats: torch.Tensor | None  # CUDA snapshots read their row instead
     event: object | None
     reset: bool
     row: int = -1  # CUDA copy: the pinned row it was copied into
@@ -189,6 +191,7 @@ class Reporter:
                  sources: tuple[tuple[int, Half], ...] = (), *, error: torch.Tensor | None = None,
                  block: torch.Tensor | None = None):
         self.ring, self.counter, self.stats, self.error, self.block = ring, counter, stats, error, block
+        self._capacity = ring.shape[0]
         self.sources = tuple(sources)  # (layer, half) of the pool's KV sources, in the kernels' order
         self.is_cuda = ring.is_cuda
         self.lag = 1 if self.is_cuda else 0
@@ -203,6 +206,16 @@ class Reporter:
         self.flags_read = 0  # error flags of the snapshots read by the last ``collect`` (CUDA; OR-ed)
         self._side = torch.cuda.Stream(device=ring.device) if self.is_cuda else None
         self._copies = CopyRows(2 + stats.numel(), ring.device) if self.is_cuda else None
+        # CPU: the counter block's words as numpy (a snapshot copies them without torch dispatch) and as
+        # a memoryview, and the latest stats as one: ``read_host`` reads them with CPython's own code
+        # (numpy's is cold after a model's forward: ~3 µs a call there against ~0.1 µs in a loop)
+        self._host_block = block.numpy() if block is not None and not self.is_cuda else None
+        if self._host_block is not None:
+            self._host_words = memoryview(self._host_block)
+            self._latest_words = memoryview(self.latest_stats_view.reshape(-1))
+            per = stats.shape[0] // len(LaunchPoint)  # tags per launch point: its launch words
+            self._launch_words = tuple(tuple((per * p + i) * NUM_STATS + STAT_LAUNCHES for i in range(per))
+                                       for p in range(len(LaunchPoint)))
         self.publication: Publication | None = None  # set by ``start_publishing``
 
     def start_publishing(self) -> bool:
@@ -228,6 +241,8 @@ class Reporter:
             snap = _Snapshot(meta, None, None, None, reset, seq=self.publication.expected)
         elif self.is_cuda:
             snap = self._copy_cuda(meta, reset)
+        elif self._host_block is not None:
+            snap = _Snapshot(meta, self._host_block.copy(), None, None, reset)
         else:
             counter, stats = self.counter.clone(), self.stats.clone()
             snap = _Snapshot(meta, counter, stats, None, reset)
@@ -235,6 +250,34 @@ class Reporter:
             self.counter.zero_()
             self._reset_next = False
         self._pending.append(snap)
+
+    def read_host(self, meta: StepMeta) -> list[Violation]:
+        """``snapshot`` then ``collect`` on the CPU (no lag: the step's counters are read at once),
+        in one pass over the counter block's numpy view, copying nothing but the stats (and the
+        rows, when there are new ones). Only where ``read_in_place``."""
+        words = self._host_words
+        total = words[0]
+        self._latest_words[:] = words[1:-1]
+        if self._reset_next:  # the counter restarts right behind this read
+            self.counter.zero_()
+            self._reset_next = False
+            return self._rows(meta, total, True, stats_read=True)
+        if total <= self._read_upto and total < self._capacity:  # nothing new, nothing to reset: a clean step
+            self.latest_total = self._total_before + total
+            return []
+        return self._rows(meta, total, False, stats_read=True)
+
+    def host_launches(self) -> list[int]:
+        """Each launch point's launches in the stats ``read_host`` read (LaunchPoint order), summed
+        over its tags by plain indexing (no numpy, no strided views)."""
+        get = self._latest_words.__getitem__
+        return [sum(map(get, point)) for point in self._launch_words]
+
+    @property
+    def read_in_place(self) -> bool:
+        """Whether ``read_host`` serves: a CPU reporter with a counter block, no lag (a test may
+        give a CPU reporter the CUDA lag) and nothing pending."""
+        return self._host_block is not None and self.lag == 0 and not self._pending
 
     def _copy_cuda(self, meta: StepMeta, reset: bool) -> _Snapshot:
         c = self._copies
@@ -268,16 +311,24 @@ class Reporter:
             words = self._copies.views[snap.row].copy()
             self._copies.free.append(snap.row)  # read: the next snapshot may reuse its row and event
             return words
+        if snap.stats is None:  # the block's words, copied
+            return snap.counter
         return np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]])
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
         words = self._words(snap)
-        total = int(words[0])
-        self.latest_stats_view.reshape(-1)[:] = words[1:-1]
         if self.is_cuda:
             self.flags_read |= int(words[-1:].view(np.int32)[0])
+        return self._rows(snap.meta, int(words[0]), snap.reset, words)
+
+    def _rows(self, meta: StepMeta, total: int, reset: bool, words: np.ndarray | None = None,
+              stats_read: bool = False) -> list[Violation]:
+        """Take in a snapshot of ``total`` rows ever appended and its stats (``words``; with
+        ``stats_read`` they are in already): the new rows, decoded."""
+        if not stats_read:
+            self.latest_stats_view.reshape(-1)[:] = words[1:-1]
         self.latest_total = self._total_before + total
-        cap = self.ring.shape[0]
+        cap = self._capacity
         hi = min(total, cap)
         rows = []
         if hi > self._read_upto:
@@ -288,14 +339,14 @@ class Reporter:
                 rows = decode_rows(self.ring[self._read_upto:hi])
             self.rows_read += len(rows)
             self._read_upto = hi
-        if snap.reset:
+        if reset:
             self._total_before += total
             self._read_upto = 0
         elif total >= cap:
             self._reset_next = True
-        return [Violation(snap.meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
-                          r.expected_token, r.stored_value, r.expected_value, owners_of(snap.meta, r),
-                          self.differing_sources(r)) for r in rows]
+        return [Violation(meta.step, r.tag, r.reasons, r.slot, r.stored_position, r.stored_token,
+                          r.expected_token, r.stored_value, r.expected_value, owners_of(meta, r),
+                          self.differing_sources(r)) for r in rows] if rows else []
 
     def differing_sources(self, row: ViolationRow) -> tuple[tuple[int, Half], ...]:
         """(layer, half) of the sources named by the row's source mask (unknown indices skipped)."""

@@ -39,13 +39,17 @@ class Watchdog:
     def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
         """Feed a stats snapshot (int64[tags, 3], a tensor or a numpy array) covering ``steps`` more
         steps; returns new alarms."""
-        alarms = []
         col = np.asarray(stats)[:, STAT_LAUNCHES].tolist()  # one conversion; tags 4p..4p+3 are point p's
         per = len(col) // len(_POINTS)
+        return self.observe_launches([sum(col[per * p: per * p + per]) for p in _POINTS], steps)
+
+    def observe_launches(self, launches, steps: int = 1) -> list[WatchdogAlarm]:
+        """``observe`` from each launch point's launch count so far (a sequence in LaunchPoint order)."""
+        alarms = []
         for p in _POINTS:
-            launches = sum(col[per * p: per * p + per])
-            if launches != self._last[p]:
-                self._last[p], self._since[p], self._seen[p], self._fired[p] = launches, 0, True, False
+            n = launches[p]
+            if n != self._last[p]:
+                self._last[p], self._since[p], self._seen[p], self._fired[p] = n, 0, True, False
                 continue
             self._since[p] += steps
             watched = self._seen[p] and (p is not LaunchPoint.SWEEP or self.periodic_sweeps)
