@@ -29,11 +29,12 @@ SLEEP = 200_000  # GPU cycles (~0.1 ms): holds one stream back so the other runs
 class Pool:
     """K and V of ``LAYERS`` layers over the slots, random bf16, and a canary covering all four."""
 
-    def __init__(self, kv: list[torch.Tensor], overlap: bool, mode: FingerprintMode = FingerprintMode.PARTIAL):
+    def __init__(self, kv: list[torch.Tensor], overlap: bool, mode: FingerprintMode = FingerprintMode.PARTIAL,
+                 max_bs: int = 4):
         self.kv = [t.clone() for t in kv]
         sources = [KVSource.from_buffer(self.kv[2 * layer + h], half=half, layer=layer)
                    for layer in range(LAYERS) for h, half in enumerate((Half.K, Half.V))]
-        config = CanaryConfig(policy=Policy.LOG, real_kv=mode, max_bs=4, max_tokens=64, sweep_interval=0,
+        config = CanaryConfig(policy=Policy.LOG, real_kv=mode, max_bs=max_bs, max_tokens=64, sweep_interval=0,
                               overlap=overlap, layers=tuple(range(LAYERS)))
         self.canary = Canary(config, PoolGeometry(NUM_SLOTS, ROWS, CTX, "cuda"), sources=sources)
         assert (self.canary.side is not None) == overlap
@@ -248,13 +249,12 @@ def test_the_reference_engine_starts_tail_inside_its_model_and_stays_clean():
 def test_a_batch_the_side_stream_head_refuses_writes_nothing_on_either_stream():
     gen = torch.Generator().manual_seed(36)
     tokens = torch.randint(1, 50_000, (ROWS, CTX), generator=gen)
-    pool = Pool(_kv(gen), True)
+    pool = Pool(_kv(gen), True, max_bs=2)
     c = pool.canary
     table = (torch.arange(ROWS * CTX, dtype=torch.int32) + 1).view(ROWS, CTX)
-    big = _batch(tokens, table, 0, 22)  # 66 tokens > max_tokens 64: the HEAD workspace is too small
+    big = _batch(tokens, table, 0, 4)  # 3 requests > max_bs 2: HEAD's workspace is too small
     kv, records = [t.clone() for t in pool.kv], c.state.records.clone()
-    c.prepare_head(big)
-    with pytest.raises(InputError, match="max_tokens 64 < len\\(input_ids\\) \\(66\\)"):
+    with pytest.raises(InputError):  # launch_head straight away (prepare_head refuses the batch itself)
         c.launch_head(big)
     c.join()
     torch.cuda.synchronize()
