@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvcanary.engine.workload import WorkloadConfig
+from kvcanary.engine.zoo import Bug
 from kvcanary.faults import UsedSlotFlip
+from kvcanary.runs.campaign import run_zoo_case, zoo_cases
 from kvcanary.runs.single import run_once
+from kvcanary.runtime import reporting
 
 from ._helpers import small_setup
 
@@ -32,3 +36,31 @@ def test_overflowing_ring_counts_every_row():
     assert canary.totals.violations + counters["dropped"] == total
     assert not Counter(map(key, small.violations)) - Counter(map(key, big.violations)), "decoded a row never written"
     assert small.violations[:3] == big.violations[:3]  # the first ring fill is kept whole
+
+
+def _zoo_run(ring_capacity: int):
+    """A real-bug zoo run with thousands of violations (positions restarted on every continued chunk)."""
+    setup = small_setup(num_requests=32, ring_capacity=ring_capacity)
+    workload = WorkloadConfig(num_requests=32, seed=0, vocab_size=setup.model.vocab_size)
+    (case,) = zoo_cases(setup.model, setup.canary, workload, "cpu", [Bug.CHUNK_POSITIONS_RESTART])
+    return run_zoo_case(case)
+
+
+def test_reports_a_step_late_keep_each_row_on_its_own_step_across_ring_restarts(monkeypatch):
+    """As on CUDA: the counter restarts behind a full ring while the last snapshot is still unread;
+    its rows must be read before the next forward overwrites them (else they come out under the
+    wrong step, or as another step's rows)."""
+    _, big = _zoo_run(1 << 16)
+    init = reporting.Reporter.__init__
+
+    def lagged(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.lag = 1
+
+    monkeypatch.setattr(reporting.Reporter, "__init__", lagged)
+    verdict, small = _zoo_run(256)
+    assert small.hooks.canary.reporter.lag == 1 and big.hooks.canary.counters()["dropped"] == 0
+    counters = small.hooks.canary.counters()
+    assert counters["ring_total"] > 4 * 256, "the bug must overflow the ring several times"
+    assert not Counter(map(key, small.violations)) - Counter(map(key, big.violations)), "a row under a wrong step"
+    assert verdict.detected and verdict.false_positives == 0

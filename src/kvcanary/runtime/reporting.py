@@ -246,10 +246,23 @@ class Reporter:
         else:
             counter, stats = self.counter.clone(), self.stats.clone()
             snap = _Snapshot(meta, counter, stats, None, reset)
+        self._pending.append(snap)
         if reset:
+            # the next forward appends from row 0 again: the rows of every pending snapshot, this
+            # step's included, are read now (with a lag they would be overwritten before their read;
+            # on CUDA this waits for the step), and handed out when their lag is up, as always
+            self._pending = deque(self._read_now(s) for s in self._pending)
             self.counter.zero_()
             self._reset_next = False
-        self._pending.append(snap)
+
+    def _read_now(self, snap: _Snapshot) -> tuple[list[Violation], int]:
+        """A pending snapshot's violations and error flags, read ahead of ``collect``."""
+        if isinstance(snap, tuple):
+            return snap
+        flags, self.flags_read = self.flags_read, 0
+        rows = self._read(snap)
+        flags, self.flags_read = self.flags_read, flags
+        return rows, flags
 
     def read_host(self, meta: StepMeta) -> list[Violation]:
         """``snapshot`` then ``collect`` on the CPU (no lag: the step's counters are read at once),
@@ -299,7 +312,12 @@ class Reporter:
         out = []
         self.flags_read = 0
         while self._pending and (flush or len(self._pending) > self.lag):
-            out += self._read(self._pending.popleft())
+            snap = self._pending.popleft()
+            if isinstance(snap, tuple):  # read ahead of a counter restart (``snapshot``)
+                out += snap[0]
+                self.flags_read |= snap[1]
+            else:
+                out += self._read(snap)
         return out
 
     def _words(self, snap: _Snapshot) -> np.ndarray:
