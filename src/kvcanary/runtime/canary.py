@@ -343,10 +343,13 @@ class Canary:
         if not self.config.enabled or self.side is None or self._tail_started:
             return
         t0 = time.perf_counter()
+        self._fork_tail(b)
+        self.totals.seconds += time.perf_counter() - t0
+
+    def _fork_tail(self, b: ForwardBatch) -> None:
         with torch.cuda.stream(self._fork()):
             self._launch_tail(b)
         self._tail_started = True
-        self.totals.seconds += time.perf_counter() - t0
 
     def _launch_tail(self, b: ForwardBatch) -> None:
         bs = b.batch_size
@@ -377,8 +380,7 @@ class Canary:
             return
         if self.side is not None:
             if not self._tail_started:
-                with torch.cuda.stream(self._fork()):
-                    self._launch_tail(b)
+                self._fork_tail(b)
             self._tail_started = False
             self.join()
         elif self.fused:
