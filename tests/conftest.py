@@ -40,3 +40,18 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def reports_a_step_late(monkeypatch):
+    """Call it to make every reporter built after in the test read each step's rows at the end of
+    the next, as on CUDA."""
+    from kvcanary.runtime import reporting
+
+    init = reporting.Reporter.__init__
+
+    def lagged(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.lag = 1
+
+    return lambda: monkeypatch.setattr(reporting.Reporter, "__init__", lagged)

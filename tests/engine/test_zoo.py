@@ -56,6 +56,19 @@ def test_bug_is_detected_at_its_launch_point(bug):
 
 
 @pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
+def test_reports_a_step_late_give_the_same_verdict(bug, reports_a_step_late):
+    """As on CUDA, where each step's rows are read at the end of the next: every row keeps its own
+    step and its owners (a writer whose request left in between is still named), so the verdict
+    is the one of a report read at once."""
+    reports_a_step_late()
+    verdict, out = run_zoo_case(CASES[bug])
+    assert out.hooks.canary.reporter.lag == 1
+    assert verdict.injected and verdict.detected, verdict
+    assert (verdict.first_detection, verdict.steps_to_detection) == FIRST_DETECTION[bug]
+    assert verdict.false_positives == 0 and out.error is None
+
+
+@pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
 def test_twin_without_the_switch_is_clean(bug):
     out = run_once(twin(CASES[bug]), stopping=ZOO_STOPPING)
     assert out.error is None and out.violations == [] and not out.alarms

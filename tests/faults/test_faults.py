@@ -88,6 +88,21 @@ def test_fault_is_detected_exactly(name, seed, clean, caplog):
     assert len(clean.violations) == 0 and out.counts.requests == clean.counts.requests
 
 
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_reports_a_step_late_give_the_same_verdict(name, reports_a_step_late):
+    """As on CUDA (each step's rows read at the end of the next): the same first detection, the
+    same steps to it, no false positive."""
+    on_time = FAULTS[name](seed=0, warmup_steps=WARMUP)
+    expected = judge(on_time, on_time.injections, run_once(small_setup(), [on_time]).violations)
+    reports_a_step_late()
+    fault = FAULTS[name](seed=0, warmup_steps=WARMUP)
+    out = run_once(small_setup(), [fault])
+    verdict = judge(fault, fault.injections, out.violations)
+    assert out.hooks.canary.reporter.lag == 1 and verdict.detected and verdict.false_positives == 0, verdict
+    assert (verdict.first_detection, verdict.steps_to_detection) == (expected.first_detection,
+                                                                      expected.steps_to_detection)
+
+
 @pytest.mark.parametrize("name", ["used_slot_flip", "cached_slot_flip", "written_slot_flip"])
 def test_byte_flips_need_real_kv(name):
     out = run_once(small_setup(real_kv=FingerprintMode.NONE), [FAULTS[name](warmup_steps=WARMUP)])

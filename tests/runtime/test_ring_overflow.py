@@ -13,7 +13,6 @@ from kvcanary.engine.zoo import Bug
 from kvcanary.faults import UsedSlotFlip
 from kvcanary.runs.campaign import run_zoo_case, zoo_cases
 from kvcanary.runs.single import run_once
-from kvcanary.runtime import reporting
 
 from ._helpers import small_setup
 
@@ -46,18 +45,12 @@ def _zoo_run(ring_capacity: int):
     return run_zoo_case(case)
 
 
-def test_reports_a_step_late_keep_each_row_on_its_own_step_across_ring_restarts(monkeypatch):
+def test_reports_a_step_late_keep_each_row_on_its_own_step_across_ring_restarts(reports_a_step_late):
     """As on CUDA: the counter restarts behind a full ring while the last snapshot is still unread;
     its rows must be read before the next forward overwrites them (else they come out under the
     wrong step, or as another step's rows)."""
     _, big = _zoo_run(1 << 16)
-    init = reporting.Reporter.__init__
-
-    def lagged(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.lag = 1
-
-    monkeypatch.setattr(reporting.Reporter, "__init__", lagged)
+    reports_a_step_late()
     verdict, small = _zoo_run(256)
     assert small.hooks.canary.reporter.lag == 1 and big.hooks.canary.counters()["dropped"] == 0
     counters = small.hooks.canary.counters()

@@ -27,12 +27,16 @@ if TYPE_CHECKING:
     from kvcanary.engine.engine import Engine
 
 
+_TABLES_KEPT = 2  # steps of page tables kept past their forward: reports come at most a step late
+
+
 class FaultHooks(EngineHooks):
     def __init__(self, inner: EngineHooks, faults: Sequence[Fault]):
         self.inner, self.faults = inner, list(faults)
         self.engine: Engine | None = None
         self._num_reports = 0  # reports of the inner hooks already handed to the faults
         self._tail_faults_ran = False  # this forward's before_tail ran (at the layer where TAIL starts)
+        self._tables: dict[int, tuple] = {}  # step -> (request ids, page-table rows) of its forward
 
     def attach(self, engine: Engine) -> None:
         """Give every fault the engine and the inner hooks' canary (if they drive one)."""
@@ -73,15 +77,25 @@ class FaultHooks(EngineHooks):
 
     def after_forward(self, batch: ForwardBatch) -> None:
         # the inner hooks may retract requests (recompute policy), clearing their page-table rows
-        tables = batch.req_to_token[batch.req_pool_indices].clone() if self.injections else None
+        step, injected = self.engine.step_index, bool(self.injections)
+        if self.faults:
+            self._tables[step] = (batch.request_ids or (), batch.req_to_token[batch.req_pool_indices].clone())
         self.inner.after_forward(batch)
         reports = getattr(self.inner, "reports", [])
         violations = [v for r in reports[self._num_reports:] for v in r.violations]
         self._num_reports = len(reports)
+        # a report a step late (CUDA) names the rows of its own step: hand each step's violations
+        # over with that step's page tables, not with this forward's
+        by_step: dict[int, list] = {}
+        for v in violations:
+            by_step.setdefault(v.step, []).append(v)
         for fault in self.faults:
-            if violations and tables is not None:
-                fault.on_report(batch.request_ids or (), tables, violations)
-            fault.after_forward(batch, self.engine.step_index)
+            if injected:
+                for s, vs in by_step.items():
+                    fault.on_report(*self._tables.get(s, self._tables[step]), vs)
+            fault.after_forward(batch, step)
+        for s in [s for s in self._tables if s < step - _TABLES_KEPT]:
+            del self._tables[s]
 
     def after_step(self, step_index: int) -> None:
         self.inner.after_step(step_index)

@@ -144,7 +144,30 @@ def owners_of(meta: StepMeta, row: ViolationRow) -> tuple[tuple[object, int], ..
                  *_owners_by_row(b, row.expected_value, -1)]
         have = {r for r, _ in held}
         return held + tuple(o for o in dict.fromkeys(named) if o[0] not in have)
-    return _owners_in_table(b, row)
+    held = _owners_in_table(b, row)
+    if row.reasons & _WRITE_REASONS:  # the writer, from the step's own write targets (the table may have moved on)
+        held += tuple(o for o in _owners_written(b, row) if o not in held)
+    return held
+
+
+_WRITE_REASONS = Reason.WRITE_TOKEN | Reason.WRITE_POSITION | Reason.MISSED_WRITE
+
+
+def _owners_written(b, row: ViolationRow) -> tuple[tuple[object, int], ...]:
+    """The requests of batch ``b`` that wrote ``row.slot`` in the step, at their true positions.
+    Read from the batch's own write targets, so a report a step late (CUDA) still names a writer
+    whose request left, and whose page-table row was freed or reused, in between."""
+    if row.tag.pool is not PoolKind.FULL:
+        return ()  # window-pool slots are named through the table's lookup
+    written = torch.nonzero(b.out_cache_loc.cpu() == row.slot).flatten()
+    if not written.numel():
+        return ()
+    ext, rows = b.extend_lens.cpu(), b.req_pool_indices.cpu()
+    ends = torch.cumsum(ext, 0)
+    req = torch.searchsorted(ends, written, right=True)
+    pos = b.prefix_lens.cpu()[req] + written - (ends - ext)[req]
+    ids = b.request_ids or tuple(range(b.batch_size))
+    return tuple((ids[int(r)], int(p)) for r, p in zip(req.tolist(), pos.tolist()) if int(rows[r]) != 0)
 
 
 def _owners_in_table(b, row: ViolationRow) -> tuple[tuple[object, int], ...]:
