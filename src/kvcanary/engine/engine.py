@@ -256,8 +256,9 @@ class Engine:
 
     def prefix_cache_slots(self) -> list[SweepRun]:
         """Every device-resident prefix-cache node no running request reads (lock count 0): its
-        slots (on the engine's device), tokens, first position and predecessor slot (-1 at a sequence
-        head), as the runs a sweep of idle cached slots takes."""
+        slots (int64 on the CPU, where the tree keeps them: a sweep builds its plan on the host),
+        tokens, first position and predecessor slot (-1 at a sequence head), as the runs a sweep of
+        idle cached slots takes."""
         if self.tree is None:
             return []
         runs = []
@@ -265,7 +266,7 @@ class Engine:
             if node.is_on_host or node.lock_count:
                 continue
             prev = int(node.parent.slots[-1]) if node.parent is not self.tree.root else -1
-            runs.append(SweepRun(node.slots.to(self.device), list(node.key), node.start, prev))
+            runs.append(SweepRun(node.slots, list(node.key), node.start, prev))
         return runs
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],

@@ -163,6 +163,8 @@ class Canary:
         self.request_names: Mapping[int, str] = {}  # engine request id -> the client's id, for the lines
         self.host_rows: torch.Tensor | None = None
         self._sweep_cursor = 0
+        self._staging: torch.Tensor | None = None  # CUDA: pinned rows a sweep's entries are copied from
+        self._staging_read = None  # ... and the event of their last copies
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -170,6 +172,9 @@ class Canary:
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
         # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream
         self.side = torch.cuda.Stream(device=dev) if config.overlap and self.fused and dev.type == "cuda" else None
+        if self.side is not None:
+            self._device_index = self.side.device_index
+            self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
         self._side_busy = False  # side work the current stream has not waited for yet
         self._side_captured = False  # ... launched inside a graph capture (joined inside it)
         self._side_held: torch.Tensor | None = None  # the held slots a side HEAD reads, alive until joined
@@ -196,12 +201,16 @@ class Canary:
             return
         # a capture starts synchronised: eager side work needs no wait inside it (nor could have one)
         if torch.cuda.is_current_stream_capturing() == self._side_captured:
-            torch.cuda.current_stream(self.state.device).wait_stream(self.side)
+            self._joined.record(self.side)
+            torch.cuda.current_stream(self._device_index).wait_event(self._joined)
         self._side_busy, self._side_held = False, None
 
     def _fork(self) -> torch.cuda.Stream:
         """The side stream, ordered after everything launched so far on the current stream."""
-        self.side.wait_stream(torch.cuda.current_stream(self.state.device))
+        # one event each way, recorded again at every fork and join (a wait takes the record it
+        # was queued behind), instead of the new event a stream's wait_stream makes every call
+        self._forked.record(torch.cuda.current_stream(self._device_index))
+        self.side.wait_event(self._forked)
         self._side_busy, self._side_captured = True, torch.cuda.is_current_stream_capturing()
         return self.side
 
@@ -451,18 +460,31 @@ class Canary:
         p, n = self.sweep_plan, len(slot)
         if self.cpu is not None and self.cpu.verify(slot, pred, pos, tok, self.tag(LaunchPoint.SWEEP)):
             return n  # the compiled verify of the entries themselves: no plan tensors filled
+        on_cuda = p.slot.device.type == "cuda"
         if n:
-            dev = p.slot.device
-            cols = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)])
-                                    .astype(np.int32))
+            cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
+            cols = self._staged(cols) if on_cuda else torch.from_numpy(cols)
             for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
-                buf[:n].copy_(vals, non_blocking=dev.type == "cuda")
+                buf[:n].copy_(vals, non_blocking=on_cuda)
             p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
         p.enable.fill_(1)
         verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
                mode=self.config.real_kv, meta=self.meta)
+        if n and on_cuda:
+            self._staging_read.record(torch.cuda.current_stream(self.state.device))
         return n
+
+    def _staged(self, cols: np.ndarray) -> torch.Tensor:
+        """``cols`` (int32 [4, n]) in pinned host rows, so the plan's copies are queued without
+        blocking the host; the last sweep's copies have read the rows before they are rewritten."""
+        if self._staging is None:
+            self._staging = torch.empty((4, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True)
+            self._staging_read = torch.cuda.Event()
+        self._staging_read.synchronize()  # a sweep or more old: long done
+        rows = self._staging[:, : cols.shape[1]]
+        rows.numpy()[:] = cols
+        return rows
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
