@@ -167,7 +167,7 @@ def _owners_written(b, row: ViolationRow) -> tuple[tuple[object, int], ...]:
     req = torch.searchsorted(ends, written, right=True)
     pos = b.prefix_lens.cpu()[req] + written - (ends - ext)[req]
     ids = b.request_ids or tuple(range(b.batch_size))
-    return tuple((ids[int(r)], int(p)) for r, p in zip(req.tolist(), pos.tolist()) if int(rows[r]) != 0)
+    return tuple((ids[int(r)], int(p)) for r, p in zip(req.tolist(), pos.tolist(), strict=True) if int(rows[r]) != 0)
 
 
 def _owners_in_table(b, row: ViolationRow) -> tuple[tuple[object, int], ...]:
