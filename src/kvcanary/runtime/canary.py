@@ -162,6 +162,7 @@ class Canary:
         self.incidents = IncidentTracker()
         self.request_names: Mapping[int, str] = {}  # engine request id -> the client's id, for the lines
         self.host_rows: torch.Tensor | None = None
+        self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
         self._sweep_cursor = 0
         self._staging: torch.Tensor | None = None  # CUDA: pinned rows a sweep's entries are copied from
         self._staging_read = None  # ... and the event of their last copies
@@ -533,13 +534,24 @@ class Canary:
             raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
         self.host_rows = torch.zeros(num_rows, ROW_BYTES, dtype=torch.uint8,
                                      pin_memory=self.state.records.is_cuda)
+        if not self.state.records.is_cuda:  # the CPU: offloads copy rows through numpy views, no torch call
+            self._host_views = (self.state.records.numpy(),
+                                self.state.source_tags.numpy().view(np.uint8).reshape(-1, ROW_BYTES - RECORD_BYTES),
+                                self.host_rows.numpy())
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
         Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows."""
         self._check_host_move("offload", device_slots, host_rows)
-        if self.config.enabled:
-            self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
+        if not self.config.enabled:
+            return
+        if self._host_views is not None and not device_slots.is_cuda and not host_rows.is_cuda:
+            records, tags, host = self._host_views
+            slots, rows = device_slots.numpy(), host_rows.numpy()
+            moved = records[slots], tags[slots]  # both read before any row is written (a bad slot raises here)
+            host[rows, :RECORD_BYTES], host[rows, RECORD_BYTES:] = moved
+            return
+        self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
 
     def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at
@@ -561,7 +573,8 @@ class Canary:
             raise KVCanaryError(f"{op} device_slots length {device_slots.numel()} != host_rows length "
                                 f"{host_rows.numel()}; pass one host row per slot")
         if host_rows.numel():
-            lo, hi = int(host_rows.min()), int(host_rows.max())
+            h = host_rows if host_rows.is_cuda else host_rows.numpy()
+            lo, hi = int(h.min()), int(h.max())
             if lo < 0 or hi >= self.host_rows.shape[0]:
                 raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
                                     f"num_rows), got values in [{lo}, {hi}]")

@@ -1,0 +1,100 @@
+"""Where the canary's host time goes inside the reference engine with graph-captured decode (CUDA).
+
+Runs the `bench_engine.py` workload (96 requests x 32 new tokens, partial real-K/V, cuda graphs)
+twice to warm every kernel variant and graph, then once more with timers around the canary's
+methods, the ops' entry points, their validation, and each Triton launch (`JITFunction.run`),
+eager calls only (a graph replay runs none of them on the host). Prints calls, median and mean
+µs and the total per part, largest first. The timers nest, so a part includes the parts it calls,
+and each adds ~1 µs of its own.
+
+    PYTHONPATH=src python3 benchmarks/engine_host_parts.py
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_engine as be  # noqa: E402
+from kvcanary.runtime import reporting, watchdog  # noqa: E402
+from kvcanary.runtime.canary import Canary  # noqa: E402
+
+CANARY_METHODS = ("launch_head", "_launch_head_overlapped", "start_tail", "_launch_tail", "tail", "prepare_head",
+                  "end_step", "sweep", "_load_sweep_plan", "join", "_fork", "_check_truth_batch", "_account",
+                  "_read_device_flags", "_apply_policy", "_report_device_flags", "hold")
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("engine_host_parts.py needs CUDA (graph-captured decode)")
+    from triton.runtime.jit import JITFunction
+
+    import kvcanary.ops.check  # noqa: F401  (the modules, not the functions the package re-exports)
+    import kvcanary.ops.landed  # noqa: F401
+    import kvcanary.ops.scatter  # noqa: F401
+    import kvcanary.runtime.canary  # noqa: F401
+    chk, ld, sc, cm = (sys.modules[f"kvcanary.{m}"] for m in ("ops.check", "ops.landed", "ops.scatter",
+                                                               "runtime.canary"))
+    prompts = be.workload(512, 48)
+    opts = be.engine_options(True)
+    for _ in range(2):
+        be.run_once("partial", "cuda", prompts, 32, opts)
+    acc: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(f, label):
+        def g(*a, **k):
+            if torch.cuda.is_current_stream_capturing():
+                return f(*a, **k)
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label].append(time.perf_counter() - t)
+        return g
+
+    def wrap(owner, name, label, *also):
+        g = timed(getattr(owner, name), label)
+        for o in (owner, *also):
+            setattr(o, name, g)
+
+    for n in CANARY_METHODS:
+        wrap(Canary, n, f"Canary.{n}")
+    for n in ("validate_check", "validate_meta", "validate_marks"):
+        wrap(chk, n, f"ops.check.{n}")
+    wrap(chk, "check_forward", "ops.check.check_forward", cm)
+    wrap(ld, "mark_writes", "ops.landed.mark_writes", cm)
+    wrap(ld, "validate_landed", "ops.landed.validate_landed")
+    wrap(sc, "scatter_validated", "ops.scatter.scatter_validated", cm)
+    wrap(cm, "sweep_entries", "runtime.sweep.sweep_entries")
+    for n in ("snapshot", "collect"):
+        wrap(reporting.Reporter, n, f"Reporter.{n}")
+    wrap(watchdog.Watchdog, "observe", "Watchdog.observe")
+    run = JITFunction.run
+
+    def launch(self, *a, **k):
+        if torch.cuda.is_current_stream_capturing():
+            return run(self, *a, **k)
+        t = time.perf_counter()
+        try:
+            return run(self, *a, **k)
+        finally:
+            acc[f"triton launch {self.fn.__name__}"].append(time.perf_counter() - t)
+
+    JITFunction.run = launch
+    r = be.run_once("partial", "cuda", prompts, 32, opts)
+    print(f"run: {r['seconds']:.3f} s, {r['steps']} steps, canary {r['canary_seconds'] * 1e3:.1f} ms "
+          f"({r['canary_seconds'] / r['seconds']:.1%}; the timers' own cost included)")
+    print(f"{'part':<40}{'calls':>6}{'med us':>9}{'mean us':>9}{'total ms':>9}")
+    for name, ts in sorted(acc.items(), key=lambda x: -sum(x[1])):
+        print(f"{name:<40}{len(ts):>6}{statistics.median(ts) * 1e6:9.1f}{statistics.mean(ts) * 1e6:9.1f}"
+              f"{sum(ts) * 1e3:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
