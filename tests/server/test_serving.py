@@ -72,7 +72,10 @@ def test_abandoned_requests_are_aborted_in_the_engine(server):
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
             tasks = [asyncio.create_task(c.post("/v1/completions", json={"prompt": _prompt(i), "max_tokens": 900}))
                      for i in range(16)]
-            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 30  # every request running in the engine (a fixed wait races a busy box)
+            while len(service.live) < 16 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(service.live) >= 16, f"{len(service.live)} of 16 requests reached the engine"
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
