@@ -46,7 +46,9 @@ def test_admin_and_metrics_answer_while_generations_run(server):
         async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=80)) as c:
             long = [asyncio.create_task(c.post("/v1/completions", json={"prompt": _prompt(i), "max_tokens": 120}))
                     for i in range(40)]
-            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 30  # generations running (a fixed wait races a busy box)
+            while not service.live and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             times = []
             for path in ("/metrics", "/canary/status", "/health", "/canary/violations") * 5:
                 t0 = time.perf_counter()
