@@ -26,13 +26,15 @@ def to_int32(x: int) -> int:
 # --- scatter_req_token_ids -----------------------------------------------------------------
 
 def scatter_req_token_ids(flat_in: list[int], offsets: list[int], req_pool_indices: list[int],
-                          pool_out: list[list[int]], width: int) -> list[list[int]]:
-    """``pool_out[row_r, :n] = int32(flat_in[off_r : off_r + n])``, ``n = min(len_r, width)``."""
+                          pool_out: list[list[int]], width: int, starts: list[int] | None = None) -> list[list[int]]:
+    """``pool_out[row_r, s : s + n] = int32(flat_in[off_r : off_r + n])``, ``s = starts[r]`` (0
+    without starts), ``n = min(len_r, width - s)``."""
     out = [list(row) for row in pool_out]
     for r, row in enumerate(req_pool_indices):
-        n = min(offsets[r + 1] - offsets[r], width)
+        s = starts[r] if starts is not None else 0
+        n = min(offsets[r + 1] - offsets[r], width - s)
         for c in range(n):
-            out[row][c] = to_int32(flat_in[offsets[r] + c])
+            out[row][s + c] = to_int32(flat_in[offsets[r] + c])
     return out
 
 

@@ -129,6 +129,61 @@ def test_pool_out_may_be_a_column_slice(backend):
                 torch.cat([big[:, :2], big[:, 7:]], 1))
 
 
+def with_starts(gen: torch.Generator, inputs: dict) -> dict:
+    """``inputs`` as appends: each request's segment starts at a random column, some past the
+    width (nothing written), some at 0."""
+    width, bs = inputs["pool_out"].shape[1], inputs["req_pool_indices"].shape[0]
+    starts = torch.randint(0, width + 3, (bs,), generator=gen)
+    starts[torch.rand(bs, generator=gen) < 0.2] = 0
+    return {**inputs, "starts": starts}
+
+
+def expected_appends(inputs: dict) -> list[list[int]]:
+    return ref.scatter_req_token_ids(inputs["flat_in"].tolist(), inputs["offsets"].tolist(),
+                                     inputs["req_pool_indices"].tolist(), inputs["pool_out"].tolist(),
+                                     inputs["pool_out"].shape[1], inputs["starts"].tolist())
+
+
+@given(seed=SEEDS, bs=st.integers(0, 12), width=st.integers(1, 10))
+def test_appends_match_reference_and_keep_the_columns_before_them(seed, bs, width):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = with_starts(gen, make_inputs(gen, bs, width, max_len=width + 3))
+    off, starts = inputs["offsets"].tolist(), inputs["starts"].tolist()
+    tail = torch.randint(-1000, 1000, (GUARD,), generator=gen)
+    inputs["lens_out"] = torch.cat([torch.randint(-1000, 1000, (bs,), generator=gen), tail])
+    want = expected_appends(inputs)
+    assert want != inputs["pool_out"].tolist() or all(off[r + 1] == off[r] or starts[r] >= width for r in range(bs))
+    for backend in WITH_NUMBA:
+        args, flag = run_op(scatter_req_token_ids, backend, **inputs)
+        assert_same(f"pool_out [{backend.value}]", args["pool_out"], want)
+        assert_same(f"lens_out [{backend.value}]", args["lens_out"],
+                    [starts[r] + off[r + 1] - off[r] for r in range(bs)] + tail.tolist())
+        assert flag.tolist() == [0], backend
+
+
+def test_appends_of_one_token_extend_a_history_sent_once():
+    """A row's history scattered once, then one token a step at its next column: the row ends as
+    one scatter of the whole history would leave it."""
+    gen = torch.Generator().manual_seed(21)
+    history = token_ids(gen, 3 * 9, INT32_MIN, INT32_MAX).view(3, 9)
+    rows = torch.tensor([2, 0, 1])
+    for backend in WITH_NUMBA:
+        dev = device_for(backend)
+        pool = torch.randint(-50, 50, (3, 12), dtype=torch.int32, generator=gen).to(dev)
+        once = pool.clone()
+        scatter_req_token_ids(flat_in=history[:, :5].reshape(-1).to(dev), offsets=torch.arange(0, 16, 5).to(dev),
+                              req_pool_indices=rows.to(dev), pool_out=pool, backend=backend)
+        lens = torch.zeros(3, dtype=torch.int64, device=dev)
+        for col in range(5, 9):
+            scatter_req_token_ids(flat_in=history[:, col].contiguous().to(dev), offsets=torch.arange(4).to(dev),
+                                  req_pool_indices=rows.to(dev), pool_out=pool, lens_out=lens,
+                                  starts=torch.full((3,), col, dtype=torch.int64, device=dev), backend=backend)
+        scatter_req_token_ids(flat_in=history.reshape(-1).to(dev), offsets=torch.arange(0, 28, 9).to(dev),
+                              req_pool_indices=rows.to(dev), pool_out=once, backend=backend)
+        assert_same(f"appended rows [{backend.value}]", pool, once)
+        assert lens.tolist() == [9, 9, 9], backend
+
+
 # --- validation ------------------------------------------------------------------------------
 
 def valid_inputs() -> dict:
@@ -156,6 +211,9 @@ def valid_inputs() -> dict:
     (dict(error_flag=torch.zeros(1, dtype=torch.int64)), TypeError, "error_flag dtype int64 != int32"),
     (dict(error_flag=torch.zeros(1, 1, dtype=torch.int32)), ValueError, "error_flag must be 1-D"),
     (dict(flat_in=torch.arange(7, device="meta")), ValueError, "flat_in is on the meta device"),
+    (dict(starts=torch.tensor([0, 1, 2], dtype=torch.int32)), TypeError, "starts dtype int32 != int64"),
+    (dict(starts=torch.tensor([0, 1])), ValueError, "starts length 2 != bs (3)"),
+    (dict(starts=torch.tensor([0, 4, -1])), ValueError, "starts[2] = -1 < 0"),
 ])
 def test_validation_errors(change, exc, fragment):
     for backend in WITH_NUMBA:
@@ -251,6 +309,30 @@ def test_device_values_are_masked_and_flagged(monkeypatch, backend, offsets, row
         mapped = [r if r in addressed else scratch for r in rows]
         want = ref.scatter_req_token_ids(flat_in.tolist(), offsets, mapped, pool, 3)[:4]
         assert_same("pool_out", big[GUARD:GUARD + 4, GUARD:GUARD + 3], want)
+
+
+@pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)
+def test_device_negative_starts_are_masked_and_flagged(monkeypatch, backend):
+    """A negative start on device tensors writes nothing for its request and raises ERR_OFFSETS;
+    the other requests append as usual, and nothing outside the pool changes."""
+    monkeypatch.setattr(scatter_mod, "is_host", lambda t: False)
+    big, _, guard = guarded_pool(4, 3)
+    before = big.clone()
+    dev = device_for(backend)
+    big = big.to(dev)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    lens = torch.zeros(3, dtype=torch.int64, device=dev)
+    scatter_req_token_ids(flat_in=torch.arange(1, 8, device=dev), offsets=torch.tensor([0, 3, 5, 7], device=dev),
+                          req_pool_indices=torch.tensor([1, 3, 2], device=dev),
+                          pool_out=big[GUARD:GUARD + 4, GUARD:GUARD + 3], error_flag=flag, lens_out=lens,
+                          starts=torch.tensor([-2**40, 1, 2], device=dev), backend=backend)
+    big = big.cpu()
+    assert flag.tolist() == [ERR_OFFSETS]
+    assert_same("guards", big[guard], before[guard])
+    pool = before[GUARD:GUARD + 4, GUARD:GUARD + 3].tolist()
+    want = ref.scatter_req_token_ids(list(range(1, 8)), [0, 3, 5, 7], [0, 3, 2], pool, 3, [3, 1, 2])
+    assert_same("pool_out", big[GUARD:GUARD + 4, GUARD:GUARD + 3], want)  # row 1 untouched
+    assert lens[1:].tolist() == [3, 4]
 
 
 @pytest.mark.parametrize("backend", WITH_NUMBA, ids=WITH_NUMBA_IDS)

@@ -8,15 +8,20 @@ Contract (the op users know from sglang, keyword for keyword):
 | offsets           | int64[bs+1]          | request r owns flat_in[offsets[r]:offsets[r+1]]  |
 | req_pool_indices  | int64[bs]            | destination row of request r                     |
 | pool_out          | int32[rows, width]   | written in place                                 |
+| starts            | int64[bs] or None    | column request r's segment starts at (default 0) |
 
 For each request r: ``pool_out[req_pool_indices[r], :n] = int32(flat_in[offsets[r]:offsets[r]+n])``
 with ``n = min(offsets[r+1] - offsets[r], width)``; rows not addressed stay untouched; with
 ``lens_out`` (int64[>= bs]), also ``lens_out[r] = offsets[r+1] - offsets[r]`` in the same launch. No batch
-cap. Host tensors get value checks (offsets start at 0, never decrease, end at N; rows in
-range) with a ValueError. Device tensors are never synced: a request whose segment is not
-inside [0, N] (or runs backwards) or whose row is out of range writes nothing, so nothing is
-read or written out of bounds, and ``error_flag`` (int32[1]) gets ``ERR_OFFSETS`` and/or
-``ERR_ROWS`` OR-ed in for the caller to check.
+cap. With ``starts`` a segment is an append: ``pool_out[row_r, s : s + n] = ...`` with ``s =
+starts[r]`` and ``n = min(len_r, width - s)`` (nothing past ``width``), the columns before ``s``
+kept, and ``lens_out[r] = s + len_r``: a row's history sent once and then only what each step
+adds (fixed sizes at a fixed batch size, so a CUDA graph can capture it). Host tensors get value
+checks (offsets start at 0, never decrease, end at N; rows in range; starts >= 0) with a
+ValueError. Device tensors are never synced: a request whose segment is not inside [0, N] (or
+runs backwards), whose start is negative or whose row is out of range writes nothing, so
+nothing is read or written out of bounds, and ``error_flag`` (int32[1]) gets ``ERR_OFFSETS``
+and/or ``ERR_ROWS`` OR-ed in for the caller to check.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def validate_scatter(flat_in, offsets, req_pool_indices, pool_out) -> torch.device:
+def validate_scatter(flat_in, offsets, req_pool_indices, pool_out, starts=None) -> torch.device:
     check_tensor("flat_in", flat_in, torch.int64, 1)
     check_tensor("offsets", offsets, torch.int64, 1)
     check_tensor("req_pool_indices", req_pool_indices, torch.int64, 1)
@@ -69,6 +74,15 @@ def validate_scatter(flat_in, offsets, req_pool_indices, pool_out) -> torch.devi
     if offsets.shape[0] != bs + 1:
         raise InputError(f"offsets length {offsets.shape[0]} != bs+1 ({bs + 1}); "
                          "build offsets with offsets_from_lengths(lengths)")
+    if starts is not None:
+        check_tensor("starts", starts, torch.int64, 1)
+        check_same_device(pool_out=pool_out, starts=starts)
+        check_contiguous("starts", starts)
+        if starts.shape[0] != bs:
+            raise InputError(f"starts length {starts.shape[0]} != bs ({bs}); pass one start column per request")
+        if is_host(starts) and bs and int(starts.min()) < 0:
+            i = int(torch.nonzero(starts < 0)[0])
+            raise InputError(f"starts[{i}] = {int(starts[i])} < 0; a segment starts at a column >= 0")
     if is_host(offsets) and not _host_values_ok(flat_in, offsets, req_pool_indices, pool_out):
         n = flat_in.shape[0]
         if int(offsets[0]) != 0:
@@ -101,32 +115,41 @@ def _segment_ok(offsets, req_pool_indices, n: int, rows: int) -> torch.Tensor:
     return (start >= 0) & (start <= end) & (end <= n) & (req_pool_indices >= 0) & (req_pool_indices < rows)
 
 
-def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None) -> None:
+def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None, starts=None) -> None:
     n, bs = flat_in.shape[0], req_pool_indices.shape[0]
     if lens_out is not None:
         torch.sub(offsets[1:], offsets[:-1], out=lens_out[:bs])
+        if starts is not None:
+            lens_out[:bs] += starts
     rows, width = pool_out.shape
     bad_offsets = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
+    if starts is not None:
+        bad_offsets |= (starts < 0).any()
     bad_rows = ((req_pool_indices < 0) | (req_pool_indices >= rows)).any()
     error_flag |= bad_offsets.to(torch.int32) * ERR_OFFSETS | bad_rows.to(torch.int32) * ERR_ROWS
     if bs == 0:
         return
     ok = _segment_ok(offsets, req_pool_indices, n, rows)
-    count = torch.where(ok, (offsets[1:] - offsets[:-1]).clamp(0, width), torch.zeros_like(offsets[1:]))
+    first = torch.zeros_like(offsets[1:]) if starts is None else starts
+    if starts is not None:
+        ok &= starts >= 0
+    room = (width - first).clamp(min=0)
+    count = torch.where(ok, torch.minimum((offsets[1:] - offsets[:-1]).clamp(min=0), room), torch.zeros_like(room))
     r = torch.repeat_interleave(torch.arange(bs, device=flat_in.device), count)
     col = torch.arange(r.numel(), device=flat_in.device) - (torch.cumsum(count, 0) - count)[r]
-    pool_out[req_pool_indices[r], col] = flat_in[offsets[r] + col].to(torch.int32)
+    pool_out[req_pool_indices[r], first[r] + col] = flat_in[offsets[r] + col].to(torch.int32)
 
 
 # the sizes vary with every batch: specialising on them would compile a variant per shape
 @triton.jit(do_not_specialize=["n", "bs", "rows", "width", "out_stride"])
-def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, n, bs, rows, width, out_stride,
-                    BLOCK: tl.constexpr, HAS_LENS: tl.constexpr):
+def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, starts_ptr, n, bs, rows, width,
+                    out_stride, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
     """Program (r, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:
-    pool_out[rpi[r], :cnt] = flat_in[start : start + cnt], cnt = min(end - start, width), when
-    0 <= start <= end <= n and the row is in range (else nothing). No search: each program reads
-    its own offsets. Program (r, 0) writes lens[r] = end - start (HAS_LENS). Program (0, 0) also
-    checks every offset and row and raises the error flag."""
+    pool_out[rpi[r], s : s + cnt] = flat_in[start : start + cnt], s = starts[r] (HAS_STARTS; else
+    0), cnt = min(end - start, width - s), when 0 <= start <= end <= n, s >= 0 and the row is in
+    range (else nothing). No search: each program reads its own offsets. Program (r, 0) writes
+    lens[r] = s + end - start (HAS_LENS). Program (0, 0) also checks every offset, start and row
+    and raises the error flag."""
     r = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1).to(tl.int64)
     split = tl.num_programs(1).to(tl.int64)
@@ -134,11 +157,14 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, n, b
     start = tl.load(off_ptr + r, mask=has, other=0)
     end = tl.load(off_ptr + r + 1, mask=has, other=0)
     row = tl.load(rpi_ptr + r, mask=has, other=-1)
-    ok = has & (start >= 0) & (start <= end) & (end <= n) & (row >= 0) & (row < rows)
-    cnt = tl.where(ok, tl.minimum(end - start, width), 0)
+    first = tl.zeros((), dtype=tl.int64)
+    if HAS_STARTS:
+        first = tl.load(starts_ptr + r, mask=has, other=0)
+    ok = has & (start >= 0) & (start <= end) & (end <= n) & (row >= 0) & (row < rows) & (first >= 0)
+    cnt = tl.where(ok, tl.maximum(tl.minimum(end - start, width - first), 0), 0)
     if HAS_LENS:
-        tl.store(lens_ptr + r, end - start, mask=has & (k == 0))
-    dst = out_ptr + row * out_stride
+        tl.store(lens_ptr + r, first + end - start, mask=has & (k == 0))
+    dst = out_ptr + row * out_stride + first
     for c in range(k * BLOCK, cnt, split * BLOCK):
         j = c + tl.arange(0, BLOCK).to(tl.int64)
         m = j < cnt
@@ -153,6 +179,9 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, n, b
             b = tl.load(off_ptr + jj + 1, mask=mm, other=0)
             rr = tl.load(rpi_ptr + jj, mask=mm, other=0)
             bad_off = tl.maximum(bad_off, tl.max((mm & (b < a)).to(tl.int32), 0))
+            if HAS_STARTS:
+                ss = tl.load(starts_ptr + jj, mask=mm, other=0)
+                bad_off = tl.maximum(bad_off, tl.max((mm & (ss < 0)).to(tl.int32), 0))
             bad_row = tl.maximum(bad_row, tl.max((mm & ((rr < 0) | (rr >= rows))).to(tl.int32), 0))
         code = bad_off * 1 + bad_row * 2
         tl.atomic_or(err_ptr, code, mask=code != 0)
@@ -168,15 +197,18 @@ def _scatter_grid(n: int, bs: int) -> tuple[int, int, int]:
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
                           pool_out: torch.Tensor, error_flag: torch.Tensor | None = None,
-                          lens_out: torch.Tensor | None = None, backend: Backend = Backend.AUTO) -> torch.Tensor:
+                          lens_out: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                          backend: Backend = Backend.AUTO) -> torch.Tensor:
     """Scatter ``flat_in`` segments into rows of ``pool_out`` (see module doc); returns ``error_flag``.
 
-    Raises TypeError for wrong dtypes and ValueError for wrong ranks, a wrong offsets length,
-    and (host tensors only) bad offsets or rows. ``error_flag`` is int32[1], allocated when not
-    given; pass a preallocated one inside CUDA-graph capture. ``lens_out`` (int64[>= bs],
-    optional) receives each request's segment length.
+    Raises TypeError for wrong dtypes and ValueError for wrong ranks, a wrong offsets or starts
+    length, and (host tensors only) bad offsets, starts or rows. ``error_flag`` is int32[1],
+    allocated when not given; pass a preallocated one inside CUDA-graph capture. ``lens_out``
+    (int64[>= bs], optional) receives each request's length (its start plus its segment).
+    ``starts`` (int64[bs], optional): the column each segment starts at (an append). On the CPU
+    an append takes the torch path (the compiled CPU kernel writes whole rows only).
     """
-    device = validate_scatter(flat_in, offsets, req_pool_indices, pool_out)
+    device = validate_scatter(flat_in, offsets, req_pool_indices, pool_out, starts)
     if error_flag is None:
         error_flag = torch.zeros(1, dtype=torch.int32, device=device)
     check_tensor("error_flag", error_flag, torch.int32, 1)
@@ -190,24 +222,26 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
         if lens_out.shape[0] < req_pool_indices.shape[0]:
             raise InputError(f"lens_out length {lens_out.shape[0]} < bs ({req_pool_indices.shape[0]}); "
                              "pass one int64 per request")
-    if use_numba(backend, device):
+    if starts is None and use_numba(backend, device):
         _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out)
         return error_flag
     scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out,
-                      use_triton(backend, device))
+                      use_triton(backend, device), starts)
     return error_flag
 
 
-def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, triton_path: bool) -> None:
+def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, triton_path: bool,
+                      starts=None) -> None:
     """The launch of ``scatter_req_token_ids`` for arguments already checked (dtypes, ranks, one
     device, contiguity, ``offsets`` length bs+1, ``error_flag`` int32[1], ``lens_out`` int64[>= bs]
-    or None): the runtime's per-step path, whose tensors were checked when their batch was built."""
+    or None, ``starts`` int64[bs] or None): the runtime's per-step path, whose tensors were checked
+    when their batch was built."""
     if triton_path:
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
         _scatter_kernel[(programs, split)](
             flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
-            n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0), BLOCK=block,
-            HAS_LENS=lens_out is not None, num_warps=4)
+            offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0),
+            BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None, num_warps=4)
     else:
-        _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out)
+        _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, starts)
