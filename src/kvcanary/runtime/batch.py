@@ -18,12 +18,23 @@ tokens the forward writes (``T == extend_lens.sum()``).
 | request_ids       | tuple of bs ids or None  | host-side ids used to name requests in reports   |
 | slot_lut          | int64[num_slots] or None | sliding-window pool: full slot -> window slot,   |
 |                   |                          | 0 = none (read by a Canary built with a window)  |
+| truth_starts      | int64[bs] or None        | appends: request r's truth_ids are its history   |
+|                   |                          | from position truth_starts[r] on (with truth)    |
 
 Every field is checked on construction (dtype, shape, device: all tensors on ``req_to_token``'s
 device) and a mismatch raises ``BatchError`` naming the field, the expected and the actual value,
 before the canary touches any state. The value checks that need the data (``T ==
-extend_lens.sum()``, ``truth_offsets[-1] == len(truth_ids)``) run on CPU tensors only: on CUDA
-they would stall the stream, so there the ops clamp and mask instead.
+extend_lens.sum()``, ``truth_offsets[-1] == len(truth_ids)``, ``truth_starts >= 0``) run on CPU
+tensors only: on CUDA they would stall the stream, so there the ops clamp and mask instead.
+
+Token truth as appends (``truth_starts``): instead of every request's whole history at every
+forward, a request's history is sent once (a forward without starts, or a start of 0) and each
+later forward sends only the tokens from ``truth_starts[r]`` on, typically its one new token at
+``prefix_lens[r]``; the canary keeps the rest in its truth table, one row per page-table row. The
+positions before a start must be the ones this request's earlier forwards sent in the same row: a
+row given to a new request starts again from 0 (an engine keeps, per request, how much of its
+history its row holds). A decode batch of appends has fixed sizes, so on CUDA the canary appends
+inside a captured graph (``Canary.launch_head``) and the host builds no scatter at all.
 
 Ownership: the canary only reads these tensors and keeps a reference to the batch until the
 step's report (it names requests from it), so an engine may refill them in place for the next
@@ -51,6 +62,7 @@ _HINT = {
     "positions": "one per token written",
     "out_cache_loc": "one per token written",
     "truth_offsets": "build it with kvcanary.ops.offsets_from_lengths(lengths)",
+    "truth_starts": "one start position per request",
 }
 
 
@@ -67,6 +79,7 @@ class ForwardBatch:
     truth_offsets: torch.Tensor | None = None
     request_ids: tuple | None = None
     slot_lut: torch.Tensor | None = None
+    truth_starts: torch.Tensor | None = None
 
     def __post_init__(self):
         self.validate()
@@ -88,6 +101,11 @@ class ForwardBatch:
         if self.truth_ids is not None:
             _tensor("truth_ids", self.truth_ids, torch.int64, 1, device=device)
             _tensor("truth_offsets", self.truth_offsets, torch.int64, 1, device=device, length=(bs + 1, "bs+1"))
+        if self.truth_starts is not None:
+            if self.truth_ids is None:
+                raise BatchError("ForwardBatch.truth_starts is given but truth_ids is None; appends need the ids "
+                                 "they append (or pass no truth at all)")
+            _tensor("truth_starts", self.truth_starts, torch.int64, 1, device=device, length=(bs, "bs"))
         if self.slot_lut is not None:
             _tensor("slot_lut", self.slot_lut, torch.int64, 1, device=device)
         if self.request_ids is not None:
@@ -107,6 +125,10 @@ class ForwardBatch:
                 if int(self.truth_offsets[0]) != 0 or end != n:
                     raise BatchError(f"ForwardBatch.truth_offsets must run from 0 to len(truth_ids) ({n}), got "
                                      f"{int(self.truth_offsets[0])}..{end}; {_HINT['truth_offsets']}")
+            if self.truth_starts is not None and bs and int(self.truth_starts.min()) < 0:
+                i = int(torch.nonzero(self.truth_starts < 0)[0])
+                raise BatchError(f"ForwardBatch.truth_starts[{i}] = {int(self.truth_starts[i])} < 0; an append "
+                                 "starts at a position >= 0 of its request's history")
 
     @property
     def batch_size(self) -> int:

@@ -234,7 +234,9 @@ class Canary:
 
     def prepare_head(self, b: ForwardBatch) -> None:
         """The host-fed half of HEAD: remember the batch for the report, scatter its token truth.
-        Not capturable (its input sizes change every step); run it before a graph replay."""
+        Not capturable (its input sizes change every step); run it before a graph replay. On CUDA
+        a batch of truth appends (``ForwardBatch.truth_starts``) is appended by ``launch_head``
+        instead, inside the graph: its sizes are fixed."""
         if not self.config.enabled:
             return
         if b.batch_size > self.config.max_bs:
@@ -249,17 +251,24 @@ class Canary:
             self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         self._replays += 1  # until its TAIL runs eagerly
-        if on_device:  # one launch that also writes truth_lens; the batch was checked when it was built
-            scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
-                              self.truth_lens, HAS_TRITON)
+        if on_device:  # one launch that also writes truth_lens; checked when built; appends: launch_head's
+            if b.truth_starts is None:
+                scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
+                                  self.truth_lens, HAS_TRITON)
         elif self._use_truth(b) and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
             self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
 
     def _scatter_truth(self, b: ForwardBatch) -> None:
         scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
-                              pool_out=self.truth, error_flag=self.state.error)
-        torch.sub(b.truth_offsets[1:], b.truth_offsets[:-1], out=self.truth_lens[: b.batch_size])
+                              pool_out=self.truth, error_flag=self.state.error, lens_out=self.truth_lens,
+                              starts=b.truth_starts)
+
+    def _append_truth(self, b: ForwardBatch) -> None:
+        """CUDA: a batch's truth appends, on the current stream ahead of HEAD's checks (fixed sizes
+        at a fixed batch size: captured with the forward, so a replay appends on the device)."""
+        scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
+                          self.truth_lens, HAS_TRITON, b.truth_starts)
 
     def _cpu_check(self, b: ForwardBatch, tag: int, stamp: bool) -> bool:
         """HEAD or TAIL through the CPU path (``runtime.cpu_forward``); False: run the ops (the
@@ -277,8 +286,10 @@ class Canary:
         masks and flags bad offsets and rows): the canary's device and contiguous tensors."""
         if b.req_to_token.device != self.truth.device:
             raise BatchError(f"ForwardBatch is on {b.req_to_token.device} but the canary is on {self.truth.device}")
-        for name in ("truth_ids", "truth_offsets", "req_pool_indices"):
+        for name in ("truth_ids", "truth_offsets", "req_pool_indices", "truth_starts"):
             t = getattr(b, name)
+            if t is None:
+                continue
             if not t.is_contiguous():
                 raise BatchError(f"ForwardBatch.{name} must be contiguous (got strides {t.stride()}); "
                                  f"pass {name}.contiguous()")
@@ -295,6 +306,9 @@ class Canary:
             self.totals.seconds += time.perf_counter() - t0
             return
         truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
+        if truth is not None and b.truth_starts is not None and self.truth.is_cuda:
+            self.join()  # the last TAIL read the table
+            self._append_truth(b)
         if self.side is not None:
             self._launch_head_overlapped(b, tag, truth, truth_lens)
             self.totals.seconds += time.perf_counter() - t0

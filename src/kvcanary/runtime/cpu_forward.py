@@ -81,8 +81,9 @@ class CpuForward:
 
     def defer_scatter(self, b: ForwardBatch) -> bool:
         """Leave ``b``'s truth scatter to its HEAD (``check``), which makes it in the same compiled
-        call; False where this path does not serve (the caller scatters now)."""
-        if self.bound is None:
+        call; False where this path does not serve (the caller scatters now): appends
+        (``truth_starts``) too, which the compiled call does not make."""
+        if self.bound is None or b.truth_starts is not None:
             return False
         self._scatter_for = b
         return True

@@ -9,7 +9,7 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 |--------------------------------|-----------------------------------------------------------|
 | HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
-| the truth scatter (truth on)   | each block size its grid picks (128, 256, 512, 1024)      |
+| the truth scatter (truth on)   | each block size its grid picks (128, 256, 512, 1024), whole histories and appends |
 | SWEEP (the plan's verify)      | one                                                       |
 
 The launches touch no record (empty batches, an empty sweep plan); the launch counters, the
@@ -79,8 +79,10 @@ def warm_up(canary: Canary) -> float:
             flat = torch.zeros(n, dtype=torch.int64, device=dev)
             offsets = torch.tensor([0, n], dtype=torch.int64, device=dev)
             lens = torch.zeros(1, dtype=torch.int64, device=dev) if canary.truth.is_cuda else None  # prepare_head's
-            scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
-                                  pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev), lens_out=lens)
+            for starts in (None, offsets[:1]):  # whole histories and appends (``ForwardBatch.truth_starts``)
+                scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
+                                      pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev), lens_out=lens,
+                                      starts=starts)
     canary._load_sweep_plan([], [], [], [])
     for t, before in saved:
         t.copy_(before)
