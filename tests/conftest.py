@@ -55,3 +55,17 @@ def reports_a_step_late(monkeypatch):
         self.lag = 1
 
     return lambda: monkeypatch.setattr(reporting.Reporter, "__init__", lagged)
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch, reports_a_step_late):
+    """Call it to run the reference engine built after in the test as it runs on CUDA: every
+    reporter reads each step's rows at the end of the next, and decode batches hand their token
+    truth as appends (``EngineConfig.truth_appends``' CUDA default)."""
+    from kvcanary.engine.config import EngineConfig
+
+    def apply():
+        reports_a_step_late()
+        monkeypatch.setattr(EngineConfig, "appends_truth",
+                            property(lambda self: True if self.truth_appends is None else self.truth_appends))
+    return apply

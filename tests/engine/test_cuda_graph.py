@@ -5,6 +5,7 @@ jitter) match eager runs token for token with the canary silent, and still catch
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -51,10 +52,11 @@ def test_config_errors(overrides, fragment):
 
 # --- on a GPU -----------------------------------------------------------------------------------
 
-def _setup(cuda_graph: bool, jitter_ns: int = 0, num_requests: int = 40) -> RunSetup:
+def _setup(cuda_graph: bool, jitter_ns: int = 0, num_requests: int = 40, truth_appends: bool | None = None) -> RunSetup:
     workload = builtin_workload(WorkloadConfig(num_requests=num_requests, seed=1))
     engine = dataclasses.replace(engine_config_for(workload, device="cuda"), graph_batch_sizes=GRAPH_SIZES,
-                                 cuda_graph=cuda_graph, jitter_ns=jitter_ns, jitter_seed=5)
+                                 cuda_graph=cuda_graph, jitter_ns=jitter_ns, jitter_seed=5,
+                                 truth_appends=truth_appends)
     return RunSetup(ModelConfig(seed=1), engine, CanaryConfig(sweep_interval=4), workload)
 
 
@@ -66,9 +68,11 @@ def _outputs(out) -> dict[int, list[int]]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("jitter_ns", [0, 20_000], ids=["graphs", "graphs+jitter"])
 def test_graph_replay_matches_eager_and_stays_clean(jitter_ns):
-    eager = run_once(_setup(cuda_graph=False))
+    """Eager with whole token histories against graphs that append each decode's truth inside."""
+    eager = run_once(_setup(cuda_graph=False, truth_appends=False))
     graphed = run_once(_setup(cuda_graph=True, jitter_ns=jitter_ns))
     assert graphed.engine.graphs.replays > 0 and len(graphed.engine.graphs.captured) > 1
+    assert graphed.engine.graphs.appends and not eager.engine.config.appends_truth
     assert eager.violations == [] and graphed.violations == [] and graphed.alarms == []
     assert _outputs(graphed) == _outputs(eager)
     if jitter_ns:
@@ -79,7 +83,7 @@ def test_graph_replay_matches_eager_and_stays_clean(jitter_ns):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["page_table_repoint", "used_slot_flip", "written_slot_flip"])
+@pytest.mark.parametrize("name", ["page_table_repoint", "used_slot_flip", "written_slot_flip", "sampled_token_swap"])
 def test_faults_are_caught_inside_replayed_graphs(name):
     (fault,) = select_faults([name], seed=0, warmup_steps=30)
     out = run_once(_setup(cuda_graph=True), [fault])
@@ -87,3 +91,26 @@ def test_faults_are_caught_inside_replayed_graphs(name):
     assert out.engine.graphs.replays > 0
     assert verdict.injected and verdict.detected, (verdict.expected, verdict.first_detection)
     assert verdict.false_positives == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_garbage_collection_runs_inside_a_capture():
+    """With collections as often as the collector allows, none runs while a graph is captured
+    (one there that frees another engine's graph invalidates the capture), and the engine built
+    after another one's garbage captures and runs clean."""
+    first = run_once(_setup(cuda_graph=True, num_requests=8))
+    assert first.engine.graphs.captured
+    del first  # its graphs in reference cycles: garbage for the collector
+    inside = []
+    watch = lambda phase, info: inside.append(phase) if torch.cuda.is_current_stream_capturing() else None  # noqa: E731
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1, 1, 1)
+    try:
+        out = run_once(_setup(cuda_graph=True, num_requests=8))
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert inside == [] and len(out.engine.graphs.captured) > 1 and out.engine.graphs.replays > 0
+    assert out.violations == [] and out.error is None

@@ -56,20 +56,24 @@ def test_bug_is_detected_at_its_launch_point(bug):
 
 
 @pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
-def test_reports_a_step_late_give_the_same_verdict(bug, reports_a_step_late):
-    """As on CUDA, where each step's rows are read at the end of the next: every row keeps its own
-    step and its owners (a writer whose request left in between is still named), so the verdict
-    is the one of a report read at once."""
-    reports_a_step_late()
+def test_as_on_cuda_the_verdict_is_the_same(bug, as_on_cuda):
+    """As on CUDA, where each step's rows are read at the end of the next and decode batches hand
+    their token truth as appends: every row keeps its own step and its owners (a writer whose
+    request left in between is still named) and the truth table holds what whole histories
+    would have written, so the verdict is the one of a report read at once."""
+    as_on_cuda()
     verdict, out = run_zoo_case(CASES[bug])
-    assert out.hooks.canary.reporter.lag == 1
+    assert out.hooks.canary.reporter.lag == 1 and out.engine.config.appends_truth
     assert verdict.injected and verdict.detected, verdict
     assert (verdict.first_detection, verdict.steps_to_detection) == FIRST_DETECTION[bug]
     assert verdict.false_positives == 0 and out.error is None
 
 
+@pytest.mark.parametrize("cuda_like", [False, True], ids=["cpu", "as_on_cuda"])
 @pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
-def test_twin_without_the_switch_is_clean(bug):
+def test_twin_without_the_switch_is_clean(bug, cuda_like, as_on_cuda):
+    if cuda_like:
+        as_on_cuda()
     out = run_once(twin(CASES[bug]), stopping=ZOO_STOPPING)
     assert out.error is None and out.violations == [] and not out.alarms
     assert out.engine.zoo.events == [] and out.counts.finished + out.counts.aborted == 32

@@ -89,16 +89,17 @@ def test_fault_is_detected_exactly(name, seed, clean, caplog):
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_reports_a_step_late_give_the_same_verdict(name, reports_a_step_late):
-    """As on CUDA (each step's rows read at the end of the next): the same first detection, the
-    same steps to it, no false positive."""
+def test_as_on_cuda_the_verdict_is_the_same(name, as_on_cuda):
+    """As on CUDA (each step's rows read at the end of the next, decode truth as appends): the
+    same first detection, the same steps to it, no false positive."""
     on_time = FAULTS[name](seed=0, warmup_steps=WARMUP)
     expected = judge(on_time, on_time.injections, run_once(small_setup(), [on_time]).violations)
-    reports_a_step_late()
+    as_on_cuda()
     fault = FAULTS[name](seed=0, warmup_steps=WARMUP)
     out = run_once(small_setup(), [fault])
     verdict = judge(fault, fault.injections, out.violations)
-    assert out.hooks.canary.reporter.lag == 1 and verdict.detected and verdict.false_positives == 0, verdict
+    assert out.hooks.canary.reporter.lag == 1 and out.engine.config.appends_truth
+    assert verdict.detected and verdict.false_positives == 0, verdict
     assert (verdict.first_detection, verdict.steps_to_detection) == (expected.first_detection,
                                                                       expected.steps_to_detection)
 

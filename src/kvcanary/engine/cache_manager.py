@@ -120,7 +120,7 @@ class CacheManager:
         if row is None:
             return False
         node, length = self._match_and_lock(req.token_ids)
-        req.row, req.prefix_node = row, node
+        req.row, req.prefix_node, req.truth_len = row, node, 0  # a new row holds none of its history
         req.num_cached = req.num_prefix_cached = length
         req.slots = torch.cat([n.slots for n in node.path()]) if length else req.slots[:0]
         self.pool.req_to_token[row, :length] = req.slots.to(self.pool.device, torch.int32)

@@ -144,6 +144,10 @@ class EngineConfig:
     layers (slot 0 reserved; 0 = sized by the pool, see ``kvcanary.engine.pool.window_pool_slots``).
     ``cuda_graph``: capture decode steps (canary HEAD + model + canary TAIL) in CUDA graphs, one
     per size of ``graph_batch_sizes``, and replay them (``kvcanary.engine.cuda_graph``).
+    ``truth_appends``: a decode batch hands its token truth as appends (``ForwardBatch.truth_starts``:
+    each request's one new token) where every request's row already holds the rest of its history;
+    else every request's whole history, as every other batch does. None (default): on CUDA only
+    (there a graph captures the append; on the CPU the whole history goes into HEAD's compiled call).
     ``jitter_ns``: spin-waits of up to this many ns at four fixed points of every forward, drawn
     per step from ``jitter_seed`` (GPU only: ``kvcanary.runtime.jitter``); 0 = off.
     ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
@@ -165,6 +169,7 @@ class EngineConfig:
     num_draft_tokens: int = 0
     window_slots: int = 0
     cuda_graph: bool = False
+    truth_appends: bool | None = None
     jitter_ns: int = 0
     jitter_seed: int = 0
     bugs: frozenset[Bug] = frozenset()
@@ -217,6 +222,8 @@ class EngineConfig:
                                                            and bool(self.graph_batch_sizes)),
              "False unless device is CUDA and graph_batch_sizes is non-empty",
              "decode steps are captured per padded batch size; pass device='cuda' and graph_batch_sizes"),
+            ("truth_appends", lambda: self.truth_appends is None or isinstance(self.truth_appends, bool),
+             "None (on CUDA only) or a bool", "pass True, False or None"),
             ("jitter_ns", lambda: type(self.jitter_ns) is int and self.jitter_ns >= 0, "an int >= 0",
              "pass 0 to disable the timing jitter"),
             ("bugs", lambda: _is_bug_set(self.bugs),
@@ -226,6 +233,11 @@ class EngineConfig:
         object.__setattr__(self, "sampler", SamplerKind(self.sampler))
         object.__setattr__(self, "device", str(torch.device(self.device)))
         object.__setattr__(self, "bugs", parse_bugs(self.bugs))
+
+    @property
+    def appends_truth(self) -> bool:
+        """Whether decode batches hand their token truth as appends (``truth_appends``)."""
+        return _device_type(self.device) == "cuda" if self.truth_appends is None else self.truth_appends
 
     @property
     def num_pages(self) -> int:

@@ -3,7 +3,8 @@
 What a graph holds, in order: jitter point 0, ``hooks.forward_prologue`` (the canary's HEAD),
 jitter 1, the model (K/V writes, paged attention over a fixed ``max_ctx`` key window, logits),
 jitter 2, ``hooks.forward_epilogue`` (the canary's TAIL), jitter 3. What stays outside, every
-step: scheduling, ``hooks.before_forward`` (sweeps, the canary's token-truth scatter, faults),
+step: scheduling, ``hooks.before_forward`` (sweeps, faults, and the canary's token-truth scatter
+unless the batch hands its truth as appends: then the graph appends it, from fixed buffers),
 ``hooks.after_forward`` (the step report, policies) and sampling.
 
 A batch size is captured right after its first eager decode step (so every kernel is compiled
@@ -15,6 +16,7 @@ engine's own persistent tensors, read in place.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ from kvcanary.runtime.batch import ForwardBatch
 
 # the per-step tensors of a ForwardBatch a graph reads from fixed buffers
 STATIC_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
+# ... and, where decode batches hand their truth as appends (one token a request), its truth
+TRUTH_FIELDS = ("truth_ids", "truth_offsets", "truth_starts")
 
 
 @dataclass
@@ -34,15 +38,19 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    def __init__(self, batch_sizes: tuple[int, ...]):
+    def __init__(self, batch_sizes: tuple[int, ...], appends: bool = False):
         self.batch_sizes = frozenset(batch_sizes)
         self.captured: dict[int, CapturedStep] = {}
         self.mempool = None
         self.replays = 0
+        self.appends = appends  # decode batches hand their truth as appends: the graph reads it too
+        self.fields = STATIC_FIELDS + TRUTH_FIELDS if appends else STATIC_FIELDS
 
     def eligible(self, batch: ForwardBatch) -> bool:
-        """A decode-only batch (one token per request) of a captured or capturable size."""
-        return batch.batch_size in self.batch_sizes and batch.num_tokens == batch.batch_size
+        """A decode-only batch (one token per request) of a captured or capturable size; with
+        ``appends``, one whose truth is appends (a batch with a row to fill runs eagerly)."""
+        return (batch.batch_size in self.batch_sizes and batch.num_tokens == batch.batch_size
+                and (not self.appends or batch.truth_starts is not None))
 
     def load(self, batch: ForwardBatch) -> ForwardBatch | None:
         """Copy ``batch`` into its size's buffers and return the batch to run (its host-side fields
@@ -50,8 +58,10 @@ class DecodeGraphs:
         step = self.captured.get(batch.batch_size) if self.eligible(batch) else None
         if step is None:
             return None
-        for name in STATIC_FIELDS:
+        for name in self.fields:
             getattr(step.batch, name).copy_(getattr(batch, name), non_blocking=True)
+        if self.appends:
+            return dataclasses.replace(step.batch, request_ids=batch.request_ids, slot_lut=batch.slot_lut)
         return dataclasses.replace(step.batch, truth_ids=batch.truth_ids, truth_offsets=batch.truth_offsets,
                                    request_ids=batch.request_ids, slot_lut=batch.slot_lut)
 
@@ -63,10 +73,18 @@ class DecodeGraphs:
 
     def capture(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> None:
         """Capture ``device_step`` on fixed copies of ``batch``'s tensors (nothing runs now)."""
-        static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in STATIC_FIELDS})
+        static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in self.fields})
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits = device_step(static)
+        # no garbage collection inside the capture: torch no longer collects before one (2.9 on), and
+        # a collection there that frees another engine's graph or pinned buffer invalidates it
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool):
+                logits = device_step(static)
+        finally:
+            if collecting:
+                gc.enable()
         self.mempool = graph.pool()
         self.captured[batch.batch_size] = CapturedStep(graph, static, logits)

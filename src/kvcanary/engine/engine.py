@@ -74,7 +74,7 @@ class Engine:
         self.model = TinyLlama(self.model_config, config.max_ctx, self.device)
         self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
-        self.graphs = DecodeGraphs(config.graph_batch_sizes) if config.cuda_graph else None
+        self.graphs = DecodeGraphs(config.graph_batch_sizes, config.appends_truth) if config.cuda_graph else None
         self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
         self.delivery = Delivery()  # a canary's hooks set its lag to the canary's report lag
@@ -152,7 +152,8 @@ class Engine:
                     f"slots of {self.config.num_usable_slots}"
                 )
             return StepResult(step_index=-1)
-        batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo)
+        batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo,
+                                    appends=self.config.appends_truth)
         batch_reqs = [req for req, _ in plan]
         graphed = self.graphs.load(batch) if self.graphs is not None else None
         if self.jitter is not None:

@@ -5,6 +5,12 @@ For request r with ``prefix_lens[r] = p`` and ``extend_lens[r] = n``, its tokens
 written to slots ``req_to_token[row_r, p .. p + n - 1]``. A request's tokens are its history
 followed by its speculative drafts (``Request.draft_ids``). Padding requests (row 0, one token
 0 at position 0 each) go after the real ones; their writes land in ``padding_slot``.
+
+Token truth is each request's whole history (prompt + outputs), or, with ``appends`` and a
+decode batch whose every request's row holds its history up to the token it writes
+(``Request.truth_len == num_cached``), appends: that one token at ``truth_starts[r] =
+num_cached`` (a padding request appends token 0 at 0 of row 0, so the sizes stay fixed). Each
+request's ``truth_len`` then says how much of its history its row holds.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from kvcanary.runtime.batch import ForwardBatch
 
 
 def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding: int = 0, padding_slot: int = 0,
-                        zoo: Zoo | None = None) -> ForwardBatch:
+                        zoo: Zoo | None = None, appends: bool = False) -> ForwardBatch:
     """The forward of ``plan`` (non-empty) and ``num_padding`` padding requests. Index tensors are
-    int64 on ``req_to_token``'s device; ``req_to_token`` itself is passed through, not copied."""
+    int64 on ``req_to_token``'s device; ``req_to_token`` itself is passed through, not copied.
+    ``appends``: token truth as appends where the batch allows (module doc)."""
     device = req_to_token.device
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)
     pad = [0] * num_padding
@@ -39,8 +46,17 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         )
         + pad
     )
-    truth = [req.token_ids for req, _ in plan] + [[]] * num_padding
-    truth_offsets = as_tensor([0, *itertools.accumulate(len(t) for t in truth)])
+    if appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
+        truth_ids = as_tensor([_token_at(req, req.num_cached) for req, _ in plan] + pad)
+        truth_offsets, truth_starts = torch.arange(len(plan) + num_padding + 1), prefix_lens
+        for req, _ in plan:
+            req.truth_len += 1
+    else:
+        truth = [req.token_ids for req, _ in plan] + [[]] * num_padding
+        truth_ids = as_tensor(list(itertools.chain.from_iterable(truth)))
+        truth_offsets, truth_starts = as_tensor([0, *itertools.accumulate(len(t) for t in truth)]), None
+        for req, _ in plan:
+            req.truth_len = req.num_tokens
     token_rows = torch.repeat_interleave(rows, extend_lens).to(device)
     out_cache_loc = req_to_token[token_rows, positions.to(device)].to(torch.int64)
     if num_padding:
@@ -55,10 +71,17 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         input_ids=input_ids.to(device),
         positions=positions.to(device),
         out_cache_loc=out_cache_loc,
-        truth_ids=as_tensor(list(itertools.chain.from_iterable(truth))).to(device),
+        truth_ids=truth_ids.to(device),
         truth_offsets=truth_offsets.to(device),
         request_ids=tuple(req.request_id for req, _ in plan) + (None,) * num_padding,
+        truth_starts=None if truth_starts is None else truth_starts.to(device),
     )
+
+
+def _token_at(req, position: int) -> int:
+    """``req.token_ids[position]`` without building the history list."""
+    n = len(req.prompt_ids)
+    return req.prompt_ids[position] if position < n else req.output_ids[position - n]
 
 
 def _restart_chunk_positions(plan: Schedule, positions: torch.Tensor, out_cache_loc: torch.Tensor,

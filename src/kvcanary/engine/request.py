@@ -50,6 +50,7 @@ class Request:
     num_prefix_cached: int = 0
     prefix_node: RadixNode | None = None
     draft_ids: list[int] = field(default_factory=list)
+    truth_len: int = 0  # positions of its history its row holds in the canary's truth table (appends)
 
     @property
     def token_ids(self) -> list[int]:
@@ -87,7 +88,7 @@ class Request:
 
     def reset_cache_state(self) -> None:
         """Forget every slot and lock; the caller has released them."""
-        self.row = self.num_cached = self.num_prefix_cached = 0
+        self.row = self.num_cached = self.num_prefix_cached = self.truth_len = 0
         self.slots = torch.zeros(0, dtype=torch.int64)
         self.prefix_node = None
         self.draft_ids = []

@@ -1,0 +1,148 @@
+"""Token truth as appends (``EngineConfig.truth_appends``, ``ForwardBatch.truth_starts``): decode
+batches hand each request's one new token, and the canary's truth table must hold, at every
+step, what whole histories would have written; a row given to a new request starts again from
+its whole history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.engine import Engine, ModelConfig
+from kvcanary.engine.canary_hooks import attach_canary
+from kvcanary.engine.forward_batch import build_forward_batch
+from kvcanary.engine.request import Request
+from kvcanary.ops.fingerprint import FingerprintMode
+from kvcanary.runtime.batch import BatchError, ForwardBatch
+
+from ._helpers import engine_config, random_prompts
+
+# few slots (preemptions: rows freed and given again), a host tier, padded decode batches
+TIGHT = dict(num_slots=320, host_tier_slots=96, graph_batch_sizes=(2, 4, 8), max_running=8)
+
+
+def run(appends: bool, seed: int):
+    engine, hooks = attach_canary(lambda h: Engine(ModelConfig(), engine_config(truth_appends=appends, **TIGHT), h),
+                                  CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode.PARTIAL, sweep_interval=4))
+    canary, seen = hooks.canary, []
+    after = hooks.after_forward
+
+    def watch(batch: ForwardBatch) -> None:  # each request's truth row as HEAD and TAIL read it
+        lens = canary.truth_lens[: batch.batch_size].tolist()
+        rows = batch.req_pool_indices.tolist()
+        seen.append((batch.truth_starts is not None, {
+            rid: canary.truth[row, :n].tolist() for rid, row, n in zip(batch.request_ids, rows, lens, strict=True)
+            if rid is not None}))
+        after(batch)
+
+    hooks.after_forward = watch
+    out = engine.generate(random_prompts(seed, 20, min_len=8, max_len=40, prefix_len=24), 20)
+    canary.flush(engine.step_index)
+    return engine, hooks, out, seen
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_appends_leave_the_truth_whole_histories_would(seed):
+    base_engine, base_hooks, base_out, base_seen = run(False, seed)
+    engine, hooks, out, seen = run(True, seed)
+    assert out == base_out  # every token emitted
+    assert [s for _, s in seen] == [s for _, s in base_seen]  # every step's truth, row by row
+    assert not any(a for a, _ in base_seen)
+    appended = sum(a for a, _ in seen)
+    assert appended >= len(seen) // 3, (appended, len(seen))
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_offloaded_slots > 0  # rows given again
+    for h in (base_hooks, hooks):
+        assert h.canary.totals.violations == 0 and h.reports == []
+
+
+def _request(rid: int, row: int, prompt: list[int], outputs: list[int], truth_len: int) -> Request:
+    req = Request(rid, prompt, 8, output_ids=list(outputs), row=row, truth_len=truth_len)
+    req.num_cached = req.num_tokens - 1  # a decode writes its last token
+    return req
+
+
+def test_a_decode_batch_appends_only_where_every_row_holds_its_history():
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    a = _request(1, 1, [11, 12, 13], [14, 15], truth_len=4)
+    b = _request(2, 3, [21, 22], [23], truth_len=2)
+    batch = build_forward_batch([(a, 1), (b, 1)], table, num_padding=1, appends=True)
+    assert batch.truth_starts.tolist() == [4, 2, 0] and batch.truth_ids.tolist() == [15, 23, 0]
+    assert batch.truth_offsets.tolist() == [0, 1, 2, 3] and (a.truth_len, b.truth_len) == (5, 3)
+    # a request re-admitted into a new row (truth_len 0) with all but one token cached: whole histories
+    c = _request(3, 2, [31, 32, 33], [34], truth_len=0)
+    a.output_ids.append(16)
+    a.num_cached += 1
+    batch = build_forward_batch([(a, 1), (c, 1)], table, appends=True)
+    assert batch.truth_starts is None
+    assert batch.truth_ids.tolist() == [11, 12, 13, 14, 15, 16, 31, 32, 33, 34]
+    assert (a.truth_len, c.truth_len) == (6, 4)
+    # drafts, or appends off: whole histories
+    a.draft_ids = [99]
+    assert build_forward_batch([(a, 2)], table, appends=True).truth_starts is None
+    a.draft_ids = []
+    assert build_forward_batch([(a, 1)], table).truth_starts is None
+
+
+def test_truth_starts_are_checked_on_construction():
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+    base = dict(req_pool_indices=i64(1, 2), prefix_lens=i64(3, 5), extend_lens=i64(1, 1),
+                req_to_token=torch.zeros(3, 8, dtype=torch.int32), input_ids=i64(7, 8), positions=i64(3, 5),
+                out_cache_loc=i64(10, 11))
+    truth = dict(truth_ids=i64(7, 8), truth_offsets=i64(0, 1, 2))
+    ForwardBatch(**base, **truth, truth_starts=i64(3, 5))
+    with pytest.raises(BatchError, match="truth_starts is given but truth_ids is None"):
+        ForwardBatch(**base, truth_starts=i64(3, 5))
+    with pytest.raises(BatchError, match=r"truth_starts length 1 != bs \(2\)"):
+        ForwardBatch(**base, **truth, truth_starts=i64(3))
+    with pytest.raises(BatchError, match=r"truth_starts dtype torch.int32 != torch.int64"):
+        ForwardBatch(**base, **truth, truth_starts=i64(3, 5).int())
+    with pytest.raises(BatchError, match=r"truth_starts\[1\] = -1 < 0"):
+        ForwardBatch(**base, **truth, truth_starts=i64(3, -1))
+
+
+def _canary_steps(stale: bool):
+    """Request A fills row 1, request B row 2; then B decodes from row 1 (its page-table row
+    copied there) with an append: its row holds A's history unless ``stale`` is False, when B's
+    decode sends its whole history instead. Returns each step's violations."""
+    from kvcanary import Canary, PoolGeometry
+
+    gen = torch.Generator().manual_seed(9)
+    canary = Canary(CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode.NONE),
+                    PoolGeometry(num_slots=64, rows=3, max_ctx=16, device="cpu"))
+    table = torch.zeros(3, 16, dtype=torch.int32)
+    table[1, :6], table[2, :6] = torch.arange(1, 7, dtype=torch.int32), torch.arange(11, 17, dtype=torch.int32)
+    tokens = torch.randint(0, 1000, (3, 6), generator=gen)
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+
+    def prefill(row: int) -> ForwardBatch:
+        return ForwardBatch(req_pool_indices=i64(row), prefix_lens=i64(0), extend_lens=i64(5), req_to_token=table,
+                            input_ids=tokens[row, :5].clone(), positions=torch.arange(5),
+                            out_cache_loc=table[row, :5].long(), truth_ids=tokens[row, :5].clone(),
+                            truth_offsets=i64(0, 5), request_ids=(row,))
+
+    truth = dict(truth_ids=tokens[2, 5:6].clone(), truth_offsets=i64(0, 1), truth_starts=i64(5)) if stale else \
+        dict(truth_ids=tokens[2, :6].clone(), truth_offsets=i64(0, 6))
+    decode = ForwardBatch(req_pool_indices=i64(1), prefix_lens=i64(5), extend_lens=i64(1), req_to_token=table,
+                          input_ids=tokens[2, 5:6].clone(), positions=i64(5), out_cache_loc=table[2, 5:6].long(),
+                          request_ids=(2,), **truth)
+    out = []
+    for step, b in enumerate((prefill(1), prefill(2), decode)):
+        if step == 2:
+            table[1] = table[2]  # B moves to row 1 (A is gone)
+        with canary.forward(b):
+            pass
+        out.append(canary.end_step(step).violations)
+    return out
+
+
+@pytest.mark.parametrize("stale", [True, False], ids=["stale_row", "whole_history"])
+def test_an_append_onto_another_requests_row_is_reported_at_head(stale):
+    first, second, third = _canary_steps(stale)
+    assert first == [] and second == []
+    if not stale:
+        assert third == []
+        return
+    assert {(v.point.name, tuple(v.reasons.names(v.reasons))) for v in third} == {("HEAD", ("verify_token",)),
+                                                                                ("TAIL", ("verify_token",))}
+    assert sorted(v.slot for v in third if v.point.name == "HEAD") == list(range(11, 16))  # B's whole prefix
