@@ -6,6 +6,8 @@ Each repeat runs the same seeded workload once with the canary off and once per 
 (log policy), alternating, and reports generated tokens per second; the ratio on/off is the
 figure. Every canary run must report zero violations (a clean workload). ``--cuda-graph`` runs
 decode steps as CUDA-graph replays (``EngineConfig.cuda_graph``), the canary captured with them.
+A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token truth as
+whole histories instead of the default (on CUDA: decode truth as appends, ``EngineConfig.truth_appends``).
 """
 
 from __future__ import annotations
@@ -50,13 +52,18 @@ def engine_options(cuda_graph: bool) -> dict:
 def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:
     mc = ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
                      intermediate=768)
+    kind, _, truth = mode.partition("/")
+    if truth not in ("", "whole"):
+        sys.exit(f"mode {mode!r}: the only suffix is /whole (token truth as whole histories)")
+    if truth:
+        options = {**options, "truth_appends": False}
     ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device,
                       **options)
-    if MODES[mode] is None:
+    if MODES[kind] is None:
         engine, hooks = Engine(mc, ec), None
     else:
         engine, hooks = attach_canary(lambda h: Engine(mc, ec, h),
-                                      CanaryConfig(policy=Policy.LOG, real_kv=MODES[mode], sweep_interval=8))
+                                      CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=8))
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()

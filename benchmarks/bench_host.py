@@ -3,7 +3,8 @@
 
     PYTHONPATH=src python3 benchmarks/bench_host.py --json host.json --profile host_profile.txt
 
-Per case (decode batch size, context, real-KV mode, token truth on or off) a Canary over a pool
+Per case (decode batch size, context, real-KV mode, token truth off, as whole histories or as
+appends, ``ForwardBatch.truth_starts``: then the graph appends it) a Canary over a pool
 with K and V of two layers as sources stamps every request's prefix, HEAD (``launch_head``), a
 device step of about ``--step-us`` µs and TAIL (``tail``) are captured in one CUDA graph, and
 each timed step runs ``prepare_head``, replays the graph and runs ``end_step`` while the replay
@@ -36,7 +37,7 @@ from kvcanary.ops.fingerprint import FingerprintMode
 PAGE = 16
 
 
-def build_case(bs: int, context: int, mode: FingerprintMode, truth: bool, gen: torch.Generator):
+def build_case(bs: int, context: int, mode: FingerprintMode, truth: str, gen: torch.Generator):
     dev = torch.device("cuda")
     held = context + 1
     per_req = -(-held // PAGE)
@@ -50,7 +51,7 @@ def build_case(bs: int, context: int, mode: FingerprintMode, truth: bool, gen: t
     kv = [torch.randn(num_slots, 8, 16, generator=gen, device=dev).to(torch.bfloat16) for _ in range(4)]
     sources = [KVSource.from_buffer(buf, half=Half.K if i % 2 == 0 else Half.V, layer=i // 2 * 31)
                for i, buf in enumerate(kv)]
-    config = CanaryConfig(policy=Policy.LOG, real_kv=mode, truth=truth, max_bs=bs + 1,
+    config = CanaryConfig(policy=Policy.LOG, real_kv=mode, truth=truth != "off", max_bs=bs + 1,
                           max_tokens=max(bs * context, 1))
     canary = Canary(config, PoolGeometry(num_slots, bs + 1, held, "cuda"), sources=sources)
 
@@ -59,8 +60,12 @@ def build_case(bs: int, context: int, mode: FingerprintMode, truth: bool, gen: t
         pos = torch.arange(prefix, prefix + extend, device=dev).repeat(bs)
         row_of = rows.repeat_interleave(extend)
         kw = {}
-        if truth:
-            n = prefix + extend
+        n = prefix + extend
+        if truth == "appends" and prefix:  # each request's new tokens, after the history the fill sent
+            kw = dict(truth_ids=tokens[1:, prefix:n].reshape(-1).contiguous(),
+                      truth_offsets=torch.arange(0, bs * extend + 1, extend, device=dev),
+                      truth_starts=torch.full((bs,), prefix, device=dev))
+        elif truth != "off":
             kw = dict(truth_ids=tokens[1:, :n].reshape(-1).contiguous(),
                       truth_offsets=torch.arange(0, bs * n + 1, n, device=dev))
         return ForwardBatch(req_pool_indices=rows, prefix_lens=torch.full((bs,), prefix, device=dev),
@@ -155,8 +160,7 @@ def main() -> None:
     ap.add_argument("--profile")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [(1, 4096, FingerprintMode.PARTIAL, False), (64, 4096, FingerprintMode.PARTIAL, False),
-             (1, 4096, FingerprintMode.PARTIAL, True), (64, 4096, FingerprintMode.PARTIAL, True)]
+    cases = [(bs, 4096, FingerprintMode.PARTIAL, truth) for truth in ("off", "whole", "appends") for bs in (1, 64)]
     rows, prof = [], cProfile.Profile() if args.profile else None
     for bs, context, mode, truth in cases:
         canary, step, table = build_case(bs, context, mode, truth, gen)
@@ -179,7 +183,7 @@ def main() -> None:
     print(f"{'case':<34}{'device':>10}{'prepare_head µs':>24}{'end_step µs':>24}{'host µs':>24}  viol. "
           "tripwire publishing")
     for r in rows:
-        case = f"decode bs {r['bs']} @ {r['context']} {r['mode']}{' truth' if r['truth'] else ''}"
+        case = f"decode bs {r['bs']} @ {r['context']} {r['mode']}{'' if r['truth'] == 'off' else ' ' + r['truth']}"
         for kind in ("in_flight", "idle"):
             k = r[kind]
             print(f"{case:<34}{kind:>10}{s(k['prepare_head']):>24}{s(k['end_step']):>24}{s(k['host']):>24}  "

@@ -7,7 +7,10 @@ eager calls only (a graph replay runs none of them on the host). Prints calls, m
 µs and the total per part, largest first. The timers nest, so a part includes the parts it calls,
 and each adds ~1 µs of its own.
 
-    PYTHONPATH=src python3 benchmarks/engine_host_parts.py
+    PYTHONPATH=src python3 benchmarks/engine_host_parts.py [--whole-truth]
+
+``--whole-truth``: every step hands its token truth as whole histories (``EngineConfig.truth_appends
+= False``) instead of CUDA's default, decode truth as appends.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def main() -> None:
     chk, ld, sc, cm = (sys.modules[f"kvcanary.{m}"] for m in ("ops.check", "ops.landed", "ops.scatter",
                                                                "runtime.canary"))
     prompts = be.workload(512, 48)
-    opts = be.engine_options(True)
+    opts = be.engine_options(True) | ({"truth_appends": False} if "--whole-truth" in sys.argv[1:] else {})
     for _ in range(2):
         be.run_once("partial", "cuda", prompts, 32, opts)
     acc: dict[str, list[float]] = collections.defaultdict(list)
