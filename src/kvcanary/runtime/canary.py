@@ -623,7 +623,7 @@ class Canary:
             self._meta = StepMeta(step + 1)
             report.violations = self.reporter.collect()
             self.totals.steps += 1
-            report.alarms = self.watchdog.observe(self.reporter.latest_stats_view)
+            report.alarms = self.watchdog.observe_launches(self.reporter.host_launches())
         self._replays = 0
         report.device_flags = self._read_device_flags()
         self._account(report, upto_step=step - self.reporter.lag)

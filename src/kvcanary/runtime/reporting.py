@@ -235,10 +235,13 @@ class Reporter:
         self._host_block = block.numpy() if block is not None and not self.is_cuda else None
         if self._host_block is not None:
             self._host_words = memoryview(self._host_block)
-            self._latest_words = memoryview(self.latest_stats_view.reshape(-1))
-            per = stats.shape[0] // len(LaunchPoint)  # tags per launch point: its launch words
-            self._launch_words = tuple(tuple((per * p + i) * NUM_STATS + STAT_LAUNCHES for i in range(per))
-                                       for p in range(len(LaunchPoint)))
+        # the latest stats as a memoryview, and the words of each point's launches (``host_launches``)
+        self._latest_words = memoryview(self.latest_stats_view.reshape(-1))
+        per = stats.shape[0] // len(LaunchPoint)  # tags per launch point: its launch words
+        self._launch_words = tuple(tuple((per * p + i) * NUM_STATS + STAT_LAUNCHES for i in range(per))
+                                   for p in range(len(LaunchPoint)))
+        # ``counter | stats | error`` of the snapshot being read, copied here (CUDA): one buffer, reused
+        self._read_words = memoryview(np.zeros(2 + stats.numel(), dtype=np.int64))
         self.publication: Publication | None = None  # set by ``start_publishing``
 
     def start_publishing(self) -> bool:
@@ -304,8 +307,8 @@ class Reporter:
         return self._rows(meta, total, False, stats_read=True)
 
     def host_launches(self) -> list[int]:
-        """Each launch point's launches in the stats ``read_host`` read (LaunchPoint order), summed
-        over its tags by plain indexing (no numpy, no strided views)."""
+        """Each launch point's launches in the latest stats read (LaunchPoint order), summed over
+        its tags by plain indexing (no numpy, no strided views)."""
         get = self._latest_words.__getitem__
         return [sum(map(get, point)) for point in self._launch_words]
 
@@ -343,31 +346,34 @@ class Reporter:
                 out += self._read(snap)
         return out
 
-    def _words(self, snap: _Snapshot) -> np.ndarray:
-        """The snapshot's ``ring_counter | stats | error`` words (waits for a step-old one)."""
+    def _words(self, snap: _Snapshot) -> memoryview:
+        """The snapshot's ``ring_counter | stats | error`` words (waits for a step-old one), as a
+        memoryview of int64 (on CUDA the reporter's one read buffer: use it before the next read)."""
         if snap.seq >= 0:
-            return self.publication.read(snap.seq)
+            self.publication.read_into(snap.seq, self._read_words)
+            return self._read_words
         if snap.row >= 0:
             snap.event.synchronize()  # a step old: already complete on the device
-            words = self._copies.views[snap.row].copy()
+            self._read_words[:] = self._copies.words[snap.row]
             self._copies.free.append(snap.row)  # read: the next snapshot may reuse its row and event
-            return words
+            return self._read_words
         if snap.stats is None:  # the block's words, copied
-            return snap.counter
-        return np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]])
+            return memoryview(snap.counter)
+        return memoryview(np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]]))
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
         words = self._words(snap)
-        if self.is_cuda:
-            self.flags_read |= int(words[-1:].view(np.int32)[0])
-        return self._rows(snap.meta, int(words[0]), snap.reset, words)
+        if self.is_cuda:  # the error flags: the int32 in the low half of the last word
+            low = words[-1] & 0xFFFFFFFF
+            self.flags_read |= low - (1 << 32) if low >> 31 else low
+        return self._rows(snap.meta, words[0], snap.reset, words)
 
-    def _rows(self, meta: StepMeta, total: int, reset: bool, words: np.ndarray | None = None,
+    def _rows(self, meta: StepMeta, total: int, reset: bool, words: memoryview | None = None,
               stats_read: bool = False) -> list[Violation]:
         """Take in a snapshot of ``total`` rows ever appended and its stats (``words``; with
         ``stats_read`` they are in already): the new rows, decoded."""
         if not stats_read:
-            self.latest_stats_view.reshape(-1)[:] = words[1:-1]
+            self._latest_words[:] = words[1:-1]
         self.latest_total = self._total_before + total
         cap = self._capacity
         hi = min(total, cap)

@@ -35,6 +35,7 @@ class CopyRows:
         self.width, self.device = width, device
         self.rows: list[torch.Tensor] = []
         self.views: list[np.ndarray] = []  # numpy views of the rows: reads without torch dispatch
+        self.words: list[memoryview] = []  # ... and as memoryviews: copied out without numpy
         self.events: list[torch.Event] = []  # recorded on the current stream in C++: no Python stream lookup
         self.free: list[int] = []
         for _ in range(rows):
@@ -45,6 +46,7 @@ class CopyRows:
         self.free.append(len(self.rows))
         self.rows.append(row)
         self.views.append(row.numpy())
+        self.words.append(memoryview(self.views[-1]))
         self.events.append(torch.Event(device=self.device))
 
     def take(self) -> int:
@@ -62,6 +64,8 @@ class Publication:
         self.seq = torch.zeros(1, dtype=torch.int64, device=block.device)
         self.rows = torch.zeros(num_rows, 1 + block.shape[0], dtype=torch.int64, pin_memory=True)
         self.view = self.rows.numpy()
+        self._words = memoryview(self.view.reshape(-1))  # read with CPython's indexing: numpy is cold per step
+        self._width = self.view.shape[1]
         self.expected = 0  # sequence number of the last publication the host counted on
         self.fallbacks = 0  # reads that found no row and took the block after a synchronise
 
@@ -82,23 +86,25 @@ class Publication:
         row = self.view[s % self.view.shape[0]]
         return s == 1 and int(row[0]) == s and np.array_equal(row[1:], self.block.cpu().numpy())
 
-    def read(self, seq: int) -> np.ndarray:
-        """The block words of publication ``seq`` (waits while the device has not reached it);
-        after a synchronise, the block as it is then when that publication never came."""
-        view = self.view
-        row = view[seq % view.shape[0]]
-        if row[0] != seq:
-            self._wait(row, seq)
-        if row[0] == seq:
-            words = row[1:].copy()
-            if row[0] == seq:  # not overwritten while copied
-                return words
+    def read_into(self, seq: int, out: memoryview) -> None:
+        """Copy the block words of publication ``seq`` into ``out`` (int64 words; waits while the
+        device has not reached it); after a synchronise, the block as it is then when that
+        publication never came."""
+        w, k = self._words, self._width
+        base = seq % self.view.shape[0] * k
+        if w[base] != seq:
+            self._wait(self.view[seq % self.view.shape[0]], seq)
+        if w[base] == seq:
+            out[:] = w[base + 1: base + k]
+            if w[base] == seq:  # not overwritten while copied
+                return
         torch.cuda.synchronize(self.block.device)
-        if row[0] == seq:
-            return row[1:].copy()
+        if w[base] == seq:
+            out[:] = w[base + 1: base + k]
+            return
         self.fallbacks += 1
         self.expected = int(self.seq[0])
-        return self.block.cpu().numpy()
+        out[:] = memoryview(self.block.cpu().numpy())
 
     def _wait(self, row: np.ndarray, seq: int) -> None:
         stream = torch.cuda.current_stream(self.block.device)
