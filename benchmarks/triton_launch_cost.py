@@ -6,7 +6,9 @@ set; medians of 300 launches) four ways: through `JITFunction.run` (what the ops
 alone (Triton's argument binding and specialisation); the compiled kernel's launcher with the bound
 arguments; the same with every tensor passed as its address (no per-pointer driver query). The
 difference between the first and the third is what a launch that skips the binding would save;
-between the third and the fourth, what passing bound buffers as addresses would.
+between the third and the fourth, what passing bound buffers as addresses would. The last column
+is `kvcanary.ops._launch.launch`, the ops' direct launch of a kept kernel (its key, then the
+launcher with every tensor as its address).
 
     PYTHONPATH=src python3 benchmarks/triton_launch_cost.py
 """
@@ -46,6 +48,8 @@ def main() -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
+    from kvcanary.ops._launch import launch
+
     seen = {}
     run = JITFunction.run
 
@@ -60,7 +64,8 @@ def main() -> None:
     JITFunction.run = run
     torch.cuda.synchronize()
     dev = torch.cuda.current_device()
-    print(f"{'kernel':<18}{'args':>5}{'JITFunction.run':>16}{'binder':>8}{'launcher':>9}{'addresses':>10}   (µs)")
+    print(f"{'kernel':<18}{'args':>5}{'JITFunction.run':>16}{'binder':>8}{'launcher':>9}{'addresses':>10}"
+          f"{'ops launch':>12}   (µs)")
     for name in KERNELS:
         if name not in seen:
             continue
@@ -79,7 +84,9 @@ def main() -> None:
         bind = _median_us(lambda binder=binder, a=a, k=k: binder(*a, **k))
         launcher = _median_us(direct)
         by_address = _median_us(lambda direct=direct, addresses=addresses: direct(addresses))
-        print(f"{name:<18}{len(bound):>5}{jit:16.1f}{bind:8.1f}{launcher:9.1f}{by_address:10.1f}")
+        cx, warps = {n: v for n, v in k.items() if n != "num_warps"}, k.get("num_warps", 4)
+        ops = _median_us(lambda fn=fn, grid=grid, a=a, cx=cx, w=warps: launch(fn, grid, a, cx, w))
+        print(f"{name:<18}{len(bound):>5}{jit:16.1f}{bind:8.1f}{launcher:9.1f}{by_address:10.1f}{ops:12.1f}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from kvcanary.ops._common import (
 )
 from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import find_segment, link64, seg_add
+from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
 from kvcanary.ops.fingerprint import (
@@ -500,7 +501,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     n_write = cdiv(n, block_t) if (stamp or sources) else 0
     grid = 1 + n_verify + n_write
     truth_t = truth if truth is not None else req_to_token
-    _check_kernel[(grid,)](
+    launch(_check_kernel, (grid,), (
         record_words(state.records), req_pool_indices, prefix_lens, extend_lens, req_to_token,
         lut if lut is not None else workspace.seed, truth_t, truth_lens if truth_lens is not None else prefix_lens,
         input_ids, positions, out_cache_loc, state.ring, state.ring_counter, state.stats, state.error,
@@ -510,8 +511,8 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         meta if meta is not None else workspace.sync, state.source_tags, source_halves(fp_sources),
         n, bs, rows, max_ctx, req_to_token.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
         truth_t.shape[1], window, state.num_slots, state.ring_capacity, tag, split, n_verify, grid, max_spins,
-        held.shape[0] if stamp and held is not None else 0,
+        held.shape[0] if stamp and held is not None else 0), dict(
         STAMP=stamp, HAS_LUT=lut is not None, HAS_TRUTH=truth is not None, NUM_SOURCES=len(sources),
         VERIFY_SOURCES=len(fp_sources), HALVES=source_halves(sources),
         NBITS=num_bits(workspace.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
-        BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t, num_warps=4)
+        BLOCK_V=block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=block_t), num_warps=4)

@@ -53,6 +53,7 @@ from kvcanary.ops._common import (
     use_triton,
 )
 from kvcanary.ops._jit import append_violations, mix64, source_ptr
+from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_meta, validate_sources
 from kvcanary.ops.plan import _translate, _translate_torch
@@ -243,8 +244,8 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
         return
     n = out_cache_loc.shape[0]
     lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device, meta)
-    _mark_kernel[(max(cdiv(n, BLOCK), 1),)](out_cache_loc, lut_t, *words, meta, n, state.num_slots, lut_len,
-                                            HAS_LUT=lut is not None, NUM_SOURCES=len(sources), BLOCK=BLOCK)
+    launch(_mark_kernel, (max(cdiv(n, BLOCK), 1),), (out_cache_loc, lut_t, *words, meta, n, state.num_slots, lut_len),
+           dict(HAS_LUT=lut is not None, NUM_SOURCES=len(sources), BLOCK=BLOCK))
 
 
 def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, input_ids: torch.Tensor,

@@ -42,6 +42,7 @@ from kvcanary.ops._common import (
     use_triton,
 )
 from kvcanary.ops._cpu import use_numba
+from kvcanary.ops._launch import launch
 
 ERR_OFFSETS = 1
 ERR_ROWS = 2
@@ -239,9 +240,9 @@ def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, 
     if triton_path:
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block = _scatter_grid(n, bs)
-        _scatter_kernel[(programs, split)](
+        launch(_scatter_kernel, (programs, split), (
             flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
-            offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0),
-            BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None, num_warps=4)
+            offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0)),
+            dict(BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None), num_warps=4)
     else:
         _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, starts)

@@ -43,6 +43,7 @@ from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
 from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import append_violations, link64
+from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
@@ -218,11 +219,11 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
         grid = max(1, min(cdiv(plan.capacity, block), max_programs))
-        _verify_kernel[(grid,)](
+        launch(_verify_kernel, (grid,), (
             record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token, plan.entry,
             plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats, plan.capacity, canary.shape[0],
             ring.shape[0], tag, source_halves(sources),
-            *source_words(sources, plan.slot), meta if meta is not None else plan.count, NUM_SOURCES=len(sources),
-            BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4, num_warps=4)
+            *source_words(sources, plan.slot), meta if meta is not None else plan.count), dict(
+            NUM_SOURCES=len(sources), BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4), num_warps=4)
     else:
         _verify_torch(state, plan, tag, sources, mode)

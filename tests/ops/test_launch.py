@@ -1,0 +1,109 @@
+"""The direct Triton launch (``ops._launch``): its key tells apart exactly the arguments Triton's
+own specialisation tells apart, a kept kernel is launched without Triton's binding, and what it
+computes is what Triton's launch computes. On CUDA only: elsewhere Triton's own launch serves."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvcanary.ops import _launch
+from kvcanary.ops.scatter import _scatter_kernel, offsets_from_lengths, scatter_req_token_ids
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _binder_specialisation(fn, args, constexprs) -> str:
+    """Triton's own specialisation of ``args`` (what its kernel cache is keyed by)."""
+    from triton.runtime import driver
+
+    _, specialisation, options = fn.device_caches[driver.active.get_current_device()][4](*args, **constexprs,
+                                                                                           num_warps=4)
+    return str(specialisation) + str(options)
+
+
+def _scatter_args(gen: torch.Generator, shift: int, big: bool):
+    """Arguments of the scatter kernel: every tensor ``shift`` elements into its storage (for
+    int64 an address a multiple of 16 at 0 and 2, for int32 at 0 only), its bound small or beyond
+    int32 (which changes the argument's type)."""
+    dev = torch.device("cuda")
+
+    def view(n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n + 4, dtype=dtype, device=dev)[shift: shift + n]
+
+    bs, rows, width = 3, 4, 8
+    ids, off, rpi = view(6, torch.int64), view(bs + 1, torch.int64), view(bs, torch.int64)
+    ids.copy_(torch.randint(0, 100, (6,), generator=gen).to(dev))
+    off.copy_(torch.tensor([0, 2, 4, 6], device=dev))
+    rpi.copy_(torch.tensor([1, 2, 3], device=dev))
+    pool = view(rows * width, torch.int32).view(rows, width)
+    err, lens, starts = view(1, torch.int32), view(bs, torch.int64), view(bs, torch.int64)
+    starts.copy_(torch.tensor([0, 1, 2], device=dev))
+    n = 6 + (1 << 33 if big else 0)
+    return (ids, off, rpi, pool, err, lens, starts, n, bs, rows, width, width)
+
+
+def test_the_key_separates_what_triton_separates():
+    gen = torch.Generator().manual_seed(3)
+    k = _launch._Kernel(_scatter_kernel)
+    cases = [_scatter_args(gen, off, big) for off, big in itertools.product((0, 1, 2), (False, True))]
+    constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)
+    for a, b in itertools.combinations(cases, 2):
+        same_key = _launch._key(k, a)[0] == _launch._key(k, b)[0]
+        same_spec = _binder_specialisation(_scatter_kernel, a, constexprs) == \
+            _binder_specialisation(_scatter_kernel, b, constexprs)
+        assert same_key == same_spec
+
+
+def test_a_kept_kernel_skips_tritons_launch_and_computes_the_same(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    gen = torch.Generator().manual_seed(4)
+    calls = []
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: calls.append(1) or run(self, *a, **kw))
+    lengths = torch.randint(0, 9, (5,), generator=gen)
+    offsets = offsets_from_lengths(lengths).cuda()
+    flat = torch.randint(-1000, 1000, (int(lengths.sum()),), generator=gen).cuda()
+    rows = torch.randperm(6, generator=gen)[:5].cuda()
+    starts = torch.randint(0, 4, (5,), generator=gen).cuda()
+
+    def scatter():
+        pool = torch.full((6, 12), -5, dtype=torch.int32, device="cuda")
+        lens = torch.zeros(5, dtype=torch.int64, device="cuda")
+        calls.clear()
+        scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rows, pool_out=pool, lens_out=lens,
+                              starts=starts)
+        return pool.cpu(), lens.cpu(), len(calls)
+
+    with monkeypatch.context() as m:
+        m.setattr(_launch, "_driver", lambda: None)  # Triton's own launch, every time
+        want_pool, want_lens, _ = scatter()
+    scatter()  # keeps the kernel (or had kept it)
+    pool, lens, launches = scatter()
+    assert torch.equal(pool, want_pool) and torch.equal(lens, want_lens)
+    assert launches == 0  # the kept kernel: no JITFunction.run
+
+
+def test_an_installed_launch_hook_takes_tritons_launch(monkeypatch):
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    seen, calls = [], []
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: calls.append(1) or run(self, *a, **kw))
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip("this Triton has no launch hook chain")
+    record = seen.append
+    hook.add(record)
+    try:
+        pool = torch.zeros(3, 4, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            scatter_req_token_ids(flat_in=torch.arange(3, device="cuda"), offsets=torch.tensor([0, 3], device="cuda"),
+                                  req_pool_indices=torch.tensor([1], device="cuda"), pool_out=pool)
+    finally:
+        hook.remove(record)
+    assert len(calls) == 2 and len(seen) == 2
