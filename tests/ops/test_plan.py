@@ -129,7 +129,8 @@ def test_overflow_disables_verify_and_counts(backend):
     assert counter.tolist() == [0] and bool((ring == -1).all())
     assert stats[4].tolist() == [1, 0, 0] and int(stats.sum()) == 1
     # the next step fits again: enable returns to 1, the overflow count stays
-    small = {**{k: v for k, v in args.items() if k != "plan"}, "prefix_lens": torch.tensor([4, 4, 0])}
+    small = {**{k: v for k, v in args.items() if k != "plan"},
+             "prefix_lens": torch.tensor([4, 4, 0], device=plan.slot.device)}
     build_plan(**small, plan=plan, backend=backend)
     assert (plan.count.tolist(), plan.enable.tolist(), plan.overflow.tolist()) == ([8], [1], [2])
 
