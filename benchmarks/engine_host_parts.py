@@ -2,7 +2,7 @@
 
 Runs the `bench_engine.py` workload (96 requests x 32 new tokens, partial real-K/V, cuda graphs)
 twice to warm every kernel variant and graph, then once more with timers around the canary's
-methods, the ops' entry points, their validation, each launch (`ops launch`: `kvcanary.ops._launch`,
+methods, the ops' entry points, their validation, each launch (`ops launch`: `kvcanary.ops.launcher`,
 the direct launch of a kept kernel; `triton launch`: Triton's own, `JITFunction.run`, which the
 first launch of each variant takes), eager calls only (a graph replay runs none of them on the
 host). Prints calls, median and mean µs and the total per part, largest first. The timers nest,
@@ -40,16 +40,16 @@ def main() -> None:
         sys.exit("engine_host_parts.py needs CUDA (graph-captured decode)")
     from triton.runtime.jit import JITFunction
 
-    import kvcanary.ops._launch  # noqa: F401
     import kvcanary.ops.check  # noqa: F401  (the modules, not the functions the package re-exports)
     import kvcanary.ops.landed  # noqa: F401
+    import kvcanary.ops.launcher  # noqa: F401
     import kvcanary.ops.scatter  # noqa: F401
     import kvcanary.ops.verify  # noqa: F401
     import kvcanary.runtime.canary  # noqa: F401
     chk, ld, sc, cm = (sys.modules[f"kvcanary.{m}"] for m in ("ops.check", "ops.landed", "ops.scatter",
                                                                "runtime.canary"))
     if "--triton-launch" in sys.argv[1:]:
-        sys.modules["kvcanary.ops._launch"]._driver = lambda: None
+        sys.modules["kvcanary.ops.launcher"]._driver = lambda: None
     prompts = be.workload(512, 48)
     opts = be.engine_options(True) | ({"truth_appends": False} if "--whole-truth" in sys.argv[1:] else {})
     for _ in range(2):
@@ -96,7 +96,7 @@ def main() -> None:
             acc[f"triton launch {self.fn.__name__}"].append(time.perf_counter() - t)
 
     JITFunction.run = launch
-    direct = sys.modules["kvcanary.ops._launch"].launch
+    direct = sys.modules["kvcanary.ops.launcher"].launch
 
     def timed_direct(fn, *a, **k):
         if torch.cuda.is_current_stream_capturing():

@@ -7,7 +7,7 @@ alone (Triton's argument binding and specialisation); the compiled kernel's laun
 arguments; the same with every tensor passed as its address (no per-pointer driver query). The
 difference between the first and the third is what a launch that skips the binding would save;
 between the third and the fourth, what passing bound buffers as addresses would. The last column
-is `kvcanary.ops._launch.launch`, the ops' direct launch of a kept kernel (its key, then the
+is `kvcanary.ops.launcher.launch`, the ops' direct launch of a kept kernel (its key, then the
 launcher with every tensor as its address).
 
     PYTHONPATH=src python3 benchmarks/triton_launch_cost.py
@@ -48,7 +48,7 @@ def main() -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from kvcanary.ops._launch import launch
+    from kvcanary.ops.launcher import launch
 
     seen = {}
     run = JITFunction.run

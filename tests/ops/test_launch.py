@@ -1,4 +1,4 @@
-"""The direct Triton launch (``ops._launch``): its key tells apart exactly the arguments Triton's
+"""The direct Triton launch (``ops.launcher``): its key tells apart exactly the arguments Triton's
 own specialisation tells apart, a kept kernel is launched without Triton's binding, and what it
 computes is what Triton's launch computes. On CUDA only: elsewhere Triton's own launch serves."""
 
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from kvcanary.ops import _launch
+from kvcanary.ops import launcher
 from kvcanary.ops.scatter import _scatter_kernel, offsets_from_lengths, scatter_req_token_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -47,11 +47,11 @@ def _scatter_args(gen: torch.Generator, shift: int, big: bool):
 
 def test_the_key_separates_what_triton_separates():
     gen = torch.Generator().manual_seed(3)
-    k = _launch._Kernel(_scatter_kernel)
+    k = launcher._Kernel(_scatter_kernel)
     cases = [_scatter_args(gen, off, big) for off, big in itertools.product((0, 1, 2), (False, True))]
     constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)
     for a, b in itertools.combinations(cases, 2):
-        same_key = _launch._key(k, a)[0] == _launch._key(k, b)[0]
+        same_key = launcher._key(k, a)[0] == launcher._key(k, b)[0]
         same_spec = _binder_specialisation(_scatter_kernel, a, constexprs) == \
             _binder_specialisation(_scatter_kernel, b, constexprs)
         assert same_key == same_spec
@@ -79,7 +79,7 @@ def test_a_kept_kernel_skips_tritons_launch_and_computes_the_same(monkeypatch):
         return pool.cpu(), lens.cpu(), len(calls)
 
     with monkeypatch.context() as m:
-        m.setattr(_launch, "_driver", lambda: None)  # Triton's own launch, every time
+        m.setattr(launcher, "_driver", lambda: None)  # Triton's own launch, every time
         want_pool, want_lens, _ = scatter()
     scatter()  # keeps the kernel (or had kept it)
     pool, lens, launches = scatter()

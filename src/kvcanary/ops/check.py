@@ -58,7 +58,6 @@ from kvcanary.ops._common import (
 )
 from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import find_segment, link64, seg_add
-from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
 from kvcanary.ops.fingerprint import (
@@ -73,6 +72,7 @@ from kvcanary.ops.fingerprint import (
 )
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes

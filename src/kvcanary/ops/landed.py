@@ -53,9 +53,9 @@ from kvcanary.ops._common import (
     use_triton,
 )
 from kvcanary.ops._jit import append_violations, mix64, source_ptr
-from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_meta, validate_sources
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import _translate, _translate_torch
 from kvcanary.ops.state import DeviceState, check_state
 

@@ -42,7 +42,7 @@ from kvcanary.ops._common import (
     use_triton,
 )
 from kvcanary.ops._cpu import use_numba
-from kvcanary.ops._launch import launch
+from kvcanary.ops.launcher import launch
 
 ERR_OFFSETS = 1
 ERR_ROWS = 2

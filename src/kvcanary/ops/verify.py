@@ -43,7 +43,6 @@ from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
 from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import append_violations, link64
-from kvcanary.ops._launch import launch
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
@@ -57,6 +56,7 @@ from kvcanary.ops.fingerprint import (
     validate_meta,
     validate_sources,
 )
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, validate_plan_buffers
 from kvcanary.ops.state import DeviceState
 
