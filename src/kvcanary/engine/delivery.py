@@ -30,19 +30,22 @@ class Delivery:
         self.retracted = 0
         self._count: dict[int, int] = {}  # request id -> outputs delivered
         self._pending: dict[int, Request] = {}  # requests with outputs not delivered yet
-        self._reads: dict[int, list[tuple[int, set[int]]]] = {}  # with a lag: undelivered steps, slots held
+        # with a lag: each request's undelivered steps and the slots it held then (int64 tensors, read
+        # only by ``holding``: a recompute; no per-step conversion)
+        self._reads: dict[int, list[tuple[int, object]]] = {}
 
     def sampled(self, req: Request, slots=None, step: int = -1) -> None:
         """``req`` sampled at ``step`` holding ``slots`` (int64 tensor; kept only with a lag, for
         ``holding``)."""
         self._pending[req.request_id] = req
         if self.lag and slots is not None:
-            self._reads.setdefault(req.request_id, []).append((step, set(slots.tolist())))
+            self._reads.setdefault(req.request_id, []).append((step, slots))
 
     def holding(self, slots: set[int], since: int) -> set[int]:
         """Requests with undelivered outputs sampled at ``since`` or later while holding one of
         ``slots`` (whatever they are now: running, preempted, finished)."""
-        return {rid for rid, reads in self._reads.items() if any(s >= since and held & slots for s, held in reads)}
+        return {rid for rid, reads in self._reads.items()
+                if any(s >= since and not slots.isdisjoint(held.tolist()) for s, held in reads)}
 
     def dropped(self, req: Request) -> None:
         """After ``req.drop_outputs_since``: count delivered outputs it no longer has."""

@@ -181,7 +181,9 @@ class Engine:
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         accepted = {r.request_id: self.sampler.accept_drafts(r.request_id, r.num_tokens, r.draft_ids)
                     for r in reqs if r.draft_ids}
-        held = {r.request_id: r.slots.clone() for r in reqs} if self.delivery.lag else {}
+        # the slots each one held (kept with a lag): a request's slot tensor is replaced when it grows or
+        # shrinks, never written in place, so the reference stays this step's slots
+        held = {r.request_id: r.slots for r in reqs} if self.delivery.lag else {}
         finished = self.scheduler.postprocess(plan, new_tokens, self.step_index, accepted)
         for r in reqs:  # a late report may name the slots they read, whatever they hold by then
             self.delivery.sampled(r, held.get(r.request_id), self.step_index)
