@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -258,3 +260,17 @@ def test_explicit_torch_backend_is_the_cpu_default():
     b = build_plan(**inputs, plan=Plan.allocate(30, 3), backend=Backend.TORCH)
     for name in ref.PLAN_FIELDS:
         assert_same(name, getattr(a, name), getattr(b, name))
+
+
+def test_entry_columns_are_the_six_entry_buffers_back_to_back_and_none_for_buffers_built_apart():
+    plan = Plan.allocate(capacity=7, max_bs=2)
+    block = plan.entry_columns()
+    assert block is not None and block.shape == (6, 7) and block.dtype == torch.int32
+    assert block[:, 0].tolist() == [0, -1, 0, -1, 0, 0]  # allocate's initial values, column by column
+    gen = torch.Generator().manual_seed(8)
+    values = torch.randint(-100, 100, (6, 5), dtype=torch.int32, generator=gen)
+    block[:, :5] = values
+    for i, buf in enumerate((plan.slot, plan.pred, plan.position, plan.token, plan.entry, plan.row)):
+        assert buf[:5].tolist() == values[i].tolist()
+    apart = Plan(**{f.name: getattr(plan, f.name).clone() for f in dataclasses.fields(plan)})
+    assert apart.entry_columns() is None

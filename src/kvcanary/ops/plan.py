@@ -89,10 +89,23 @@ class Plan:
         check_count("plan max_bs", max_bs)
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        return cls(torch.zeros(capacity, **i32), torch.full((capacity,), -1, **i32), torch.zeros(capacity, **i32),
-                   torch.full((capacity,), -1, **i32), torch.zeros(1, **i64), torch.zeros(1, **i32),
+        cols = torch.zeros(6, capacity, **i32)  # slot, pred, position, token, entry, row: ``entry_columns``
+        cols[1].fill_(-1)
+        cols[3].fill_(-1)
+        return cls(cols[0], cols[1], cols[2], cols[3], torch.zeros(1, **i64), torch.zeros(1, **i32),
                    torch.zeros(1, **i64), torch.zeros(max_bs + 1, **i64), torch.zeros(max_bs + 1, **i64),
-                   torch.full((max_bs,), -1, **i64), torch.zeros(capacity, **i32), torch.zeros(capacity, **i32))
+                   torch.full((max_bs,), -1, **i64), cols[4], cols[5])
+
+    def entry_columns(self) -> torch.Tensor | None:
+        """The int32 [6, capacity] block ``slot | pred | position | token | entry | row`` when the six
+        lie back to back in it in that order, as ``allocate`` lays them out (one copy fills a plan's
+        entries); None for buffers built apart."""
+        cols = (self.slot, self.pred, self.position, self.token, self.entry, self.row)
+        base, cap, storage = self.slot.data_ptr(), self.capacity, self.slot.untyped_storage()
+        if any(c.data_ptr() != base + 4 * cap * i or c.untyped_storage().data_ptr() != storage.data_ptr()
+               for i, c in enumerate(cols)) or storage.nbytes() < (self.slot.storage_offset() + 6 * cap) * 4:
+            return None
+        return self.slot.as_strided((6, cap), (cap, 1), self.slot.storage_offset())
 
     @property
     def capacity(self) -> int:

@@ -478,10 +478,14 @@ class Canary:
         on_cuda = p.slot.device.type == "cuda"
         if n:
             cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
-            cols = self._staged(cols) if on_cuda else torch.from_numpy(cols)
-            for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
-                buf[:n].copy_(vals, non_blocking=on_cuda)
-            p.row[:n].zero_()  # idle slots: no request
+            block = p.entry_columns() if on_cuda else None
+            if block is not None:  # the six columns (entry = slot, row = 0: no request) in one copy
+                block[:, :n].copy_(self._staged(cols), non_blocking=True)
+            else:
+                cols = self._staged(cols)[:4] if on_cuda else torch.from_numpy(cols)
+                for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
+                    buf[:n].copy_(vals, non_blocking=on_cuda)
+                p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
         p.enable.fill_(1)
         verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
@@ -491,14 +495,20 @@ class Canary:
         return n
 
     def _staged(self, cols: np.ndarray) -> torch.Tensor:
-        """``cols`` (int32 [4, n]) in pinned host rows, so the plan's copies are queued without
-        blocking the host; the last sweep's copies have read the rows before they are rewritten."""
+        """The sweep plan's six entry columns in pinned host rows (``cols``: int32 [4, n] slot,
+        pred, position, token; then entry = slot and row = 0), so the plan's copies are queued
+        without blocking the host; the last sweep's copies have read the rows before they are
+        rewritten."""
         if self._staging is None:
-            self._staging = torch.empty((4, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True)
+            self._staging = torch.empty((6, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True)
             self._staging_read = torch.cuda.Event()
         self._staging_read.synchronize()  # a sweep or more old: long done
-        rows = self._staging[:, : cols.shape[1]]
-        rows.numpy()[:] = cols
+        n = cols.shape[1]
+        rows = self._staging[:, :n]
+        host = rows.numpy()
+        host[:4] = cols
+        host[4] = cols[0]
+        host[5] = 0
         return rows
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
