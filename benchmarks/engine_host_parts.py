@@ -57,6 +57,7 @@ def main() -> None:
     acc: dict[str, list[float]] = collections.defaultdict(list)
 
     def timed(f, label):
+        """``f`` timed under ``label`` (a string, or a function of the call's first argument)."""
         def g(*a, **k):
             if torch.cuda.is_current_stream_capturing():
                 return f(*a, **k)
@@ -64,7 +65,7 @@ def main() -> None:
             try:
                 return f(*a, **k)
             finally:
-                acc[label].append(time.perf_counter() - t)
+                acc[label if isinstance(label, str) else label(a[0])].append(time.perf_counter() - t)
         return g
 
     def wrap(owner, name, label, *also):
@@ -83,32 +84,11 @@ def main() -> None:
     wrap(cm, "sweep_entries", "runtime.sweep.sweep_entries")
     for n in ("snapshot", "collect"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
-    wrap(watchdog.Watchdog, "observe", "Watchdog.observe")
-    run = JITFunction.run
-
-    def launch(self, *a, **k):
-        if torch.cuda.is_current_stream_capturing():
-            return run(self, *a, **k)
-        t = time.perf_counter()
-        try:
-            return run(self, *a, **k)
-        finally:
-            acc[f"triton launch {self.fn.__name__}"].append(time.perf_counter() - t)
-
-    JITFunction.run = launch
-    direct = sys.modules["kvcanary.ops.launcher"].launch
-
-    def timed_direct(fn, *a, **k):
-        if torch.cuda.is_current_stream_capturing():
-            return direct(fn, *a, **k)
-        t = time.perf_counter()
-        try:
-            return direct(fn, *a, **k)
-        finally:
-            acc[f"ops launch {fn.fn.__name__}"].append(time.perf_counter() - t)
-
+    wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
+    JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
+    direct = timed(sys.modules["kvcanary.ops.launcher"].launch, lambda fn: f"ops launch {fn.fn.__name__}")
     for module in (chk, ld, sc, sys.modules["kvcanary.ops.verify"]):
-        module.launch = timed_direct
+        module.launch = direct
     r = be.run_once("partial", "cuda", prompts, 32, opts)
     print(f"run: {r['seconds']:.3f} s, {r['steps']} steps, canary {r['canary_seconds'] * 1e3:.1f} ms "
           f"({r['canary_seconds'] / r['seconds']:.1%}; the timers' own cost included)")
