@@ -12,6 +12,9 @@ from kvcanary.core.record import LaunchPoint
 from kvcanary.ops._common import HAS_TRITON
 from kvcanary.ops.check import _check_kernel
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.ops.landed import _mark_kernel
+from kvcanary.ops.scatter import _scatter_kernel
+from kvcanary.ops.verify import _verify_kernel
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry
 
@@ -81,10 +84,14 @@ def test_warmup_leaves_no_trace_and_the_canary_still_checks(truth, window, fused
 
 
 def _compiled() -> int | None:
-    caches = getattr(_check_kernel, "device_caches", None)
-    if caches is None:
-        return None
-    return sum(len(v[0]) for v in caches.values())
+    """Variants compiled so far of every kernel a canary's steps launch on CUDA."""
+    counts = []
+    for kernel in (_check_kernel, _mark_kernel, _scatter_kernel, _verify_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return None
+        counts.append(sum(len(v[0]) for v in caches.values()))
+    return sum(counts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles happen on CUDA only")
@@ -93,8 +100,14 @@ def test_no_step_compiles_after_construction():
     n = _compiled()
     if n is None:
         pytest.skip("this triton keeps no per-device kernel cache to count")
-    for prefix, extend in ((0, 3), (3, 1), (4, 12)):
+    for prefix, extend in ((0, 3), (3, 1), (4, 12), (0, 16), (15, 1)):  # token counts 1, % 16 == 0 and others
         b = _to(_batch(prefix, extend))
         c.head(b)
         c.tail(b)
+    appended = _batch(4, 1)  # a decode's truth as an append (ForwardBatch.truth_starts)
+    appended = ForwardBatch(**{**vars(appended), "truth_ids": appended.input_ids.clone(),
+                               "truth_offsets": torch.tensor([0, 1]), "truth_starts": torch.tensor([4])})
+    appended = _to(appended)
+    c.head(appended)
+    c.tail(appended)
     assert _compiled() == n

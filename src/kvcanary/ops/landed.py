@@ -186,7 +186,9 @@ def landed_lanes(slot, ok, pos, ids, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, r
     return ~missed
 
 
-@triton.jit
+# the token count varies with every batch (1 at a decode of one request): specialising on it would
+# compile a variant the warm-up never made at the first such step
+@triton.jit(do_not_specialize=["n", "num_slots", "lut_len"])
 def _mark_kernel(loc_ptr, lut_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, num_slots, lut_len,
                  HAS_LUT: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr):
     """Program p marks the slots of written tokens [p*BLOCK, (p+1)*BLOCK)."""
@@ -196,7 +198,7 @@ def _mark_kernel(loc_ptr, lut_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, n, 
     mark_lanes(slot, live & (slot > 0) & (slot < num_slots), w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_slots", "lut_len", "ring_cap", "tag"])
 def _landed_kernel(loc_ptr, ids_ptr, pos_ptr, lut_ptr, out_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, ring_ptr,
                    counter_ptr, n, num_slots, lut_len, ring_cap, tag, HAS_LUT: tl.constexpr, NUM_SOURCES: tl.constexpr,
                    HALVES: tl.constexpr, BLOCK: tl.constexpr):

@@ -80,9 +80,11 @@ def warm_up(canary: Canary) -> float:
             offsets = torch.tensor([0, n], dtype=torch.int64, device=dev)
             lens = torch.zeros(1, dtype=torch.int64, device=dev) if canary.truth.is_cuda else None  # prepare_head's
             for starts in (None, offsets[:1]):  # whole histories and appends (``ForwardBatch.truth_starts``)
+                # the state's own error word: its address (8 past a multiple of 16 in the counter block) is
+                # part of the variant, so a fresh flag would compile one no step launches
                 scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
-                                      pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev), lens_out=lens,
-                                      starts=starts)
+                                      pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev),
+                                      error_flag=state.error, lens_out=lens, starts=starts)
     canary._load_sweep_plan([], [], [], [])
     for t, before in saved:
         t.copy_(before)
