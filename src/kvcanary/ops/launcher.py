@@ -18,8 +18,8 @@ The first launch of a key goes through Triton (compiling when it must) and the c
 it returns is kept; later launches call that kernel's launcher directly, tensors passed as their
 addresses (the ops validated their devices). Triton's own launch serves instead under the
 interpreter (``TRITON_INTERPRET=1``), while launch hooks or pre-run hooks are installed (a
-profiler), for an argument of another type, and on a Triton whose compiled kernels lack the
-launcher this module calls (checked once; the arguments are the same either way).
+profiler), for an argument of another type, and where the kernel Triton returns lacks the
+launcher this module calls (then nothing is kept; the arguments are the same either way).
 """
 
 from __future__ import annotations
@@ -89,10 +89,11 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4) -
     if k is None or k.fn is not fn:
         k = _kernels[id(fn)] = _Kernel(fn)
     get_device, get_stream, runtime = drv
-    key, values = _key(k, args)
-    if (key is None or not k.usable or len(args) != k.num_args or getattr(fn, "pre_run_hooks", None)
-            or _hooked(runtime)
-            or len(constexprs) != len(k.constexprs)):
+    key, values = None, None
+    if (k.usable and len(args) == k.num_args and len(constexprs) == len(k.constexprs)
+            and not getattr(fn, "pre_run_hooks", None) and not _hooked(runtime)):
+        key, values = _key(k, args)
+    if key is None:  # Triton's own launch (module doc)
         fn[grid](*args, **constexprs, num_warps=num_warps)
         return
     device = get_device()
