@@ -18,6 +18,7 @@ from kvcanary.core.record import Half, Reason, new_ring
 from kvcanary.ops import check_writes_landed, mark_writes
 from kvcanary.ops._common import Backend
 from kvcanary.ops.fingerprint import KVSource
+from kvcanary.ops.landed import BoundMarks
 
 from . import reference as ref
 from ._compare import assert_same
@@ -186,3 +187,26 @@ def test_validation_errors_before_anything_is_written(change, exc, fragment, bac
     for src, words in zip(case["sources"], before, strict=True):
         assert torch.equal(src.words, words)
     assert int(case["ring_counter"][0]) == count
+
+
+@settings(max_examples=6)
+@given(seed=SEEDS, n=st.integers(0, 200), num_sources=st.integers(1, 4), lut=st.booleans())
+def test_bound_marks_write_the_references_marks(seed, n, num_sources, lut):
+    """BoundMarks (the sources checked once) marks what the reference marks; a target of another
+    dtype or layout is refused with nothing written."""
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(gen, n, num_sources, lut, 0.0)
+    want = ref.mark_writes([ref.RefSource.of(s) for s in case["sources"]], case["out_cache_loc"].tolist(),
+                           case["canary"].shape[0], case["lut"].tolist() if lut else None)
+    dev = device_for(Backend.TRITON)
+    args = {k: on_device(v, dev) for k, v in case.items() if k != "drop"}
+    bound = with_state(lambda state: BoundMarks(state, args["sources"]), canary=args["canary"])
+    before = [s.words.clone() for s in args["sources"]]
+    assert not bound(args["out_cache_loc"].to(torch.int32), args["lut"])
+    wide = torch.zeros(2 * n, dtype=torch.int64, device=dev)
+    assert not bound(wide[::2], args["lut"]) or n <= 1  # a strided view of n > 1 elements
+    for i, (src, was) in enumerate(zip(args["sources"], before, strict=True)):
+        assert_same(f"source {i} after refused calls", src.words, was)
+    assert bound(args["out_cache_loc"], args["lut"])
+    for i, (src, words) in enumerate(zip(args["sources"], want, strict=True)):
+        assert_same(f"source {i} marked [bound]", src.words, words)

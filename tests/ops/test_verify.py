@@ -32,7 +32,7 @@ from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.stamp import stamp
-from kvcanary.ops.verify import verify
+from kvcanary.ops.verify import BoundVerify, verify
 
 from . import reference as ref
 from ._compare import assert_same, sorted_rows
@@ -603,3 +603,40 @@ def test_hand_written_plan_counts_stay_in_bounds(backend, count, enable, expecte
     args, _ = run_op(verify, backend, canary=canary, plan=plan, ring=ring, ring_counter=counter, stats=stats, tag=0)
     assert int(args["ring_counter"][0]) == expected
     assert int(args["stats"][0, 1]) == expected and int(args["stats"][0, 0]) == 1
+
+
+def _bound_verify(**inputs):
+    """BoundVerify built and called on the loose buffers a test made (``with_state``)."""
+    tag, plan, sources, mode = inputs.pop("tag"), inputs.pop("plan"), inputs.pop("sources"), inputs.pop("mode")
+    inputs.pop("backend")
+    return with_state(lambda state: BoundVerify(state, plan, sources, mode)(tag), **inputs)
+
+
+@given(seed=SEEDS, seq_lens=st.lists(st.integers(0, 12), max_size=4), mode=st.sampled_from(MODES),
+       corrupt=st.sampled_from([0.0, 0.3]), tag=st.integers(0, 11))
+def test_bound_verify_matches_the_reference(seed, seq_lens, mode, corrupt, tag):
+    """BoundVerify (state, plan, sources and meta checked once) reports what the reference does."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(gen, seq_lens, mode, False, corrupt, tag)
+    rows, checked = expected_verify(inputs)
+    want_stats = inputs["stats"].clone()
+    want_stats[tag, STAT_LAUNCHES] += 1
+    want_stats[tag, STAT_CHECKED] += checked
+    args, _ = run_op(_bound_verify, Backend.TRITON, **inputs)
+    assert_ring("ring [bound]", args["ring"], args["ring_counter"], inputs["ring"], int(inputs["ring_counter"]), rows)
+    assert_same("stats [bound]", args["stats"], want_stats)
+
+
+def test_bound_verify_refuses_a_plan_resized_after_binding():
+    inputs = make_inputs(torch.Generator().manual_seed(4), [3, 5], FingerprintMode.NONE, False, 0.0, 2)
+    args = {k: on_device(v, device_for(Backend.TRITON)) for k, v in inputs.items()}
+    bound = with_state(lambda state: BoundVerify(state, args["plan"]), canary=args["canary"], ring=args["ring"],
+                       ring_counter=args["ring_counter"], stats=args["stats"])
+    bound(2)
+    args["plan"].token.resize_(1)
+    with pytest.raises(InputError, match="plan buffers were resized or replaced"):
+        bound(2)
+    with pytest.raises(InputError, match="tag 40 out of range"):
+        with_state(lambda state: BoundVerify(state, make_inputs(torch.Generator().manual_seed(5), [2],
+                                                                FingerprintMode.NONE, False, 0.0, 0)["plan"])(40),
+                   canary=inputs["canary"])

@@ -89,6 +89,13 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         raise InputError(f"{name} must be contiguous (got strides {t.stride()}); pass {name}.contiguous()")
 
 
+def vector_ok(t, length: int, index: int) -> bool:
+    """Whether ``t`` is a contiguous int64[length] on the device of index ``index`` (-1: the CPU):
+    the bound launches' per-call check, which reads attributes and raises nothing."""
+    return (isinstance(t, torch.Tensor) and t.dtype is torch.int64 and t.dim() == 1 and t.shape[0] == length
+            and t.get_device() == index and t.is_contiguous())
+
+
 def check_table(name: str, t: torch.Tensor) -> None:
     """A 2-D table the kernels index as ``ptr + row * stride(0) + col``: at least one row (row 0
     is padding) and one column, unit column stride, rows that do not overlap."""

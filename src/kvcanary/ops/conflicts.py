@@ -95,6 +95,7 @@ class WriteMarks:
 def validate_marks(marks, held, num_slots: int, device: torch.device) -> None:
     if held is not None:
         check_tensor("held", held, torch.int64, 1)
+        check_contiguous("held", held)  # the kernels read held[0:n] as one run of memory
         if held.device != device:
             raise InputError(f"held is on {held.device} but the state is on {device}")
     if marks is not None:

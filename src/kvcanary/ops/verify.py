@@ -38,7 +38,7 @@ from kvcanary.core.record import (
     Reason,
     record_words,
 )
-from kvcanary.errors import InputTypeError
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
 from kvcanary.ops._cpu import use_numba
@@ -215,15 +215,59 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
     if use_numba(backend, device):
         _cpu.verify(state, plan, tag, sources, meta)
     elif use_triton(backend, device):
+        _VerifyLaunch(state, plan, sources, mode, meta, max_programs).launch(tag)
+    else:
+        _verify_torch(state, plan, tag, sources, mode)
+
+
+class _VerifyLaunch:
+    """The Triton launch of ``verify`` on arguments it has validated: all but the tag fixed."""
+
+    def __init__(self, state: DeviceState, plan: Plan, sources: list, mode: FingerprintMode, meta, max_programs: int):
         canary, ring = state.records, state.ring
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
-        grid = max(1, min(cdiv(plan.capacity, block), max_programs))
-        launch(_verify_kernel, (grid,), (
-            record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token, plan.entry,
-            plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats, plan.capacity, canary.shape[0],
-            ring.shape[0], tag, source_halves(sources),
-            *source_words(sources, plan.slot), meta if meta is not None else plan.count), dict(
-            NUM_SOURCES=len(sources), BLOCK=block, BLOCK_W=block_words(sources, mode) if sources else 4), num_warps=4)
-    else:
-        _verify_torch(state, plan, tag, sources, mode)
+        self.grid = (max(1, min(cdiv(plan.capacity, block), max_programs)),)
+        self.before = (record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token,
+                       plan.entry, plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats,
+                       plan.capacity, canary.shape[0], ring.shape[0])
+        self.after = (source_halves(sources), *source_words(sources, plan.slot),
+                      meta if meta is not None else plan.count)
+        self.constexprs = dict(NUM_SOURCES=len(sources), BLOCK=block,
+                               BLOCK_W=block_words(sources, mode) if sources else 4)
+
+    def launch(self, tag: int) -> None:
+        launch(_verify_kernel, self.grid, (*self.before, tag, *self.after), self.constexprs, num_warps=4)
+
+
+class BoundVerify:
+    """``verify`` of one plan on one state with the state, the plan, the sources and their
+    ``meta`` checked once (a Canary's sweeps on CUDA); a call checks that the state's and the
+    plan's buffers are still those bound (addresses, shapes) and the tag, then launches: the
+    plan's entries are device values, which the kernel masks. Triton only."""
+
+    def __init__(self, state: DeviceState, plan: Plan, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
+                 meta: torch.Tensor | None = None, max_programs: int = 1024):
+        sources = list(sources) if mode is not FingerprintMode.NONE else []
+        validate_verify(state, plan, 0, sources, mode)
+        meta = validate_meta(meta, sources, mode, state.device)
+        check_programs(max_programs)
+        self.state, self.plan = state, plan
+        self._layout = _plan_layout(plan)
+        self._tags: set[int] = set()
+        self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
+
+    def __call__(self, tag: int) -> None:
+        self.state.check()
+        if _plan_layout(self.plan) != self._layout:
+            raise InputError("plan buffers were resized or replaced since the BoundVerify was built; bind it again")
+        if tag not in self._tags:
+            validate_ring(self.state, tag)
+            if type(tag) is int:
+                self._tags.add(tag)
+        self._launch.launch(tag)
+
+
+def _plan_layout(plan: Plan) -> tuple:
+    return tuple((t.data_ptr(), t.shape) for t in (plan.slot, plan.pred, plan.position, plan.token, plan.entry,
+                                                   plan.row, plan.count, plan.enable))

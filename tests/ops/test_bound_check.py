@@ -1,0 +1,170 @@
+"""BoundCheck: ``check_forward`` with a state's own arguments bound once gives the same bytes,
+and refuses (launching nothing) every batch whose layout ``check_forward`` would refuse.
+
+On the CPU the launches run under the Triton interpreter; on CUDA (the GPU run) the same tests
+take the device branch, whose per-call checks are attribute reads instead of value checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcanary.core.record import LaunchPoint
+from kvcanary.errors import InputError, InputTypeError
+from kvcanary.ops._common import Backend
+from kvcanary.ops.check import BoundCheck, check_forward
+from kvcanary.ops.fingerprint import FingerprintMode, source_meta
+from kvcanary.ops.state import DeviceState, Workspace
+
+from ._compare import assert_same, sorted_rows
+from ._helpers import SEEDS, device_for, on_device
+from .test_check import MODES, make_world
+
+DEV = device_for(Backend.TRITON)
+BATCH = ("req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc")
+
+
+def state_of(w: dict, max_bs: int, max_tokens: int) -> DeviceState:
+    """A DeviceState on copies of the world's buffers, with a HEAD and a TAIL workspace."""
+    spaces = tuple(Workspace.allocate(max_bs, max_tokens, DEV) for _ in (LaunchPoint.HEAD, LaunchPoint.TAIL))
+    return DeviceState(*(on_device(w[k], DEV) for k in ("canary", "ring", "ring_counter", "stats")),
+                       workspaces=spaces, source_tags=on_device(w["source_tags"], DEV))
+
+
+def padded_lens(w: dict, max_bs: int, gen: torch.Generator) -> torch.Tensor | None:
+    """The world's truth lengths in a buffer of ``max_bs``, random beyond bs (never read)."""
+    if w["truth_lens"] is None:
+        return None
+    bs = w["truth_lens"].shape[0]
+    lens = torch.randint(0, 1 << 40, (max_bs,), generator=gen)
+    lens[:bs] = w["truth_lens"]
+    return lens.to(DEV)
+
+
+def outputs(state: DeviceState, sources) -> dict:
+    """Every buffer a launch may write; the ring's rows sorted (their order is unspecified)."""
+    out = dict(records=state.records, counter=state.ring_counter, stats=state.stats, side=state.source_tags)
+    out.update({f"source {i}": s.words for i, s in enumerate(sources)})
+    out = {k: v.clone() for k, v in out.items()}
+    out["ring rows"] = sorted_rows(state.ring)
+    return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=4),
+       mode=st.sampled_from(MODES), with_truth=st.booleans(), corrupt=st.sampled_from([0.0, 0.2]),
+       lut=st.booleans(), stamp=st.booleans(), tag=st.integers(0, 11))
+def test_bound_launch_gives_check_forwards_bytes(seed, lens, mode, with_truth, corrupt, lut, stamp, tag):
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=with_truth,
+                   corrupt=corrupt, lut=lut, window=0, stamp=stamp, tag=tag)
+    bs, n = w["req_pool_indices"].shape[0], w["input_ids"].shape[0]
+    max_bs, max_tokens = bs + int(torch.randint(0, 3, (1,), generator=gen)) + 1, n + 3
+    got = {}
+    for bound in (False, True):
+        state = state_of(w, max_bs, max_tokens)
+        sources = on_device(w["sources"], DEV)
+        batch = {k: on_device(w[k], DEV) for k in BATCH}
+        truth, held = on_device(w["truth"], DEV), on_device(w["held"], DEV) if stamp else None
+        lut_t = on_device(w["lut"], DEV)
+        if bound:
+            check = BoundCheck(state, stamp=stamp, sources=sources, mode=mode, truth=truth,
+                               truth_lens=padded_lens(w, max_bs, gen) if with_truth else None)
+            assert check(*batch.values(), tag=tag, truth=with_truth, lut=lut_t, held=held)
+        else:
+            check_forward(state=state, **batch, tag=tag, stamp=stamp, truth=truth,
+                          truth_lens=on_device(w["truth_lens"], DEV), sources=sources, mode=mode, lut=lut_t,
+                          held=held, backend=Backend.TRITON)
+        got[bound] = outputs(state, sources)
+    for name, want in got[False].items():
+        assert_same(f"{name} (bound)", got[True][name], want)
+
+
+def world() -> dict:
+    return make_world(torch.Generator().manual_seed(5), [6, 3], [2, 1], mode=FingerprintMode.PARTIAL,
+                      with_truth=True, corrupt=0.0, lut=False, window=0, stamp=True, tag=0)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values, every other element of a buffer twice as long (not contiguous)."""
+    wide = torch.empty(2 * t.shape[0], dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
+REFUSED = {
+    "int32 input_ids": lambda b: b | dict(input_ids=b["input_ids"].to(torch.int32)),
+    "strided positions": lambda b: b | dict(positions=_strided(b["positions"])),
+    "short out_cache_loc": lambda b: b | dict(out_cache_loc=b["out_cache_loc"][:-1]),
+    "2-D prefix_lens": lambda b: b | dict(prefix_lens=b["prefix_lens"][:, None]),
+    "table with column stride 2": lambda b: b | dict(req_to_token=torch.zeros(
+        b["req_to_token"].shape[0], 2 * b["req_to_token"].shape[1], dtype=torch.int32, device=DEV)[:, ::2]),
+    "table of other rows than the truth": lambda b: b | dict(req_to_token=b["req_to_token"][:-1]),
+    "more requests than the workspace": lambda b: b | {k: torch.cat([b[k], b[k]]) for k in BATCH[:3]},
+    "a non-tensor": lambda b: b | dict(extend_lens=[2, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_batch_it_does_not_take_launches_nothing_and_check_forward_names_it(case):
+    w = world()
+    state = state_of(w, 2, 8)
+    sources = on_device(w["sources"], DEV)
+    lens = torch.zeros(2, dtype=torch.int64, device=DEV)
+    lens[:] = w["truth_lens"].to(DEV)
+    truth = on_device(w["truth"], DEV)
+    check = BoundCheck(state, stamp=True, mode=FingerprintMode.PARTIAL, sources=sources, truth=truth, truth_lens=lens)
+    batch = REFUSED[case]({k: on_device(w[k], DEV) for k in BATCH})
+    before = outputs(state, sources)
+    # the device branch's own checks refuse it (on the CPU the value checks behind them would too)
+    assert not check._layout_ok(tuple(batch.values()), None)
+    assert not check(*batch.values(), tag=0, truth=True)
+    for name, want in before.items():
+        assert_same(f"{name} after a refused call", outputs(state, sources)[name], want)
+    with pytest.raises((InputError, InputTypeError)):
+        check_forward(state=state, **batch, tag=0, stamp=True, truth=truth, truth_lens=lens[: batch[BATCH[0]].shape[0]]
+                      if isinstance(batch[BATCH[0]], torch.Tensor) else lens, sources=sources,
+                      mode=FingerprintMode.PARTIAL, backend=Backend.TRITON)
+
+
+def test_held_slots_must_be_one_contiguous_run():
+    """An expanded ``held`` (one element seen n times) would have the kernel read past its storage."""
+    w = world()
+    state = state_of(w, 2, 8)
+    batch = {k: on_device(w[k], DEV) for k in BATCH}
+    held = torch.tensor([3], dtype=torch.int64, device=DEV).expand(50)
+    check = BoundCheck(state, stamp=True)
+    assert not check(*batch.values(), tag=0, held=held)
+    with pytest.raises(InputError, match="held must be contiguous"):
+        check_forward(state=state, **batch, tag=0, stamp=True, held=held, backend=Backend.TRITON)
+
+
+def test_a_tag_out_of_range_raises_as_in_check_forward():
+    w = world()
+    state = state_of(w, 2, 8)
+    batch = {k: on_device(w[k], DEV) for k in BATCH}
+    with pytest.raises(InputError, match="tag 99 out of range"):
+        BoundCheck(state, stamp=False)(*batch.values(), tag=99)
+
+
+def test_bound_arguments_are_checked_when_bound():
+    w = world()
+    state = state_of(w, 2, 8)
+    sources = on_device(w["sources"], DEV)
+    with pytest.raises(InputTypeError, match="mode must be a FingerprintMode"):
+        BoundCheck(state, stamp=True, mode="partial")
+    with pytest.raises(InputError, match="truth_lens length 1 < the workspace's max_bs"):
+        BoundCheck(state, stamp=True, truth=on_device(w["truth"], DEV),
+                   truth_lens=torch.zeros(1, dtype=torch.int64, device=DEV))
+    with pytest.raises(InputError, match="truth and truth_lens go together"):
+        BoundCheck(state, stamp=True, truth=on_device(w["truth"], DEV))
+    with pytest.raises(InputError, match="split 0 out of range"):
+        BoundCheck(state, stamp=True, split=0)
+    bare = DeviceState(*(on_device(w[k], DEV) for k in ("canary", "ring", "ring_counter", "stats")))
+    with pytest.raises(InputError, match="BoundCheck needs a state with workspaces"):
+        BoundCheck(bare, stamp=True)
+    wrong = source_meta(sources, FingerprintMode.PARTIAL, DEV)[:3]
+    with pytest.raises(InputError, match="meta must be a contiguous int64"):
+        BoundCheck(state, stamp=False, sources=sources, mode=FingerprintMode.PARTIAL, meta=wrong)
