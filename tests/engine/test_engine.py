@@ -98,7 +98,7 @@ def test_prefix_cache_slots_describe_idle_cached_runs():
     position_of = {slot: pos for pos, slot in enumerate(read)}
     for slots, tokens, start in ((r.slots, r.token_ids, r.start_position) for r in runs):
         assert slots.dtype == torch.int64 and slots.numel() == len(tokens) > 0 and start % 2 == 0
-        assert any(h[start : start + len(tokens)] == tokens for h in histories)
+        assert any(tuple(h[start : start + len(tokens)]) == tuple(tokens) for h in histories)
         for i, slot in enumerate(slots.tolist()):
             assert slot not in position_of, f"slot {slot} listed twice or read by a running request"
             position_of[slot] = start + i

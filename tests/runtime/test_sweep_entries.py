@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcanary.runtime.sweep import SweepRun, sweep_entries
+from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
 
 
 def reference(runs, cursor, max_entries):
@@ -52,3 +52,40 @@ def test_a_run_whose_tokens_do_not_match_its_slots_is_refused():
     runs = [SweepRun(torch.tensor([3, 4, 5]), [1, 2], 0)]
     with pytest.raises(ValueError, match="3 slots but 2 token ids"):
         sweep_entries(runs, 0, 10)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_cache_gives_the_same_entries_across_sweeps_whatever_changed(seed):
+    """Sweeps through one RunCache equal the walk at every sweep while runs' slots are written in
+    place, runs are replaced, dropped and added, and tuple or list tokens change."""
+    rng = random.Random(seed)
+    cache = RunCache()
+    runs = [SweepRun(r.slots, tuple(r.token_ids) if r.token_ids is not None and rng.random() < 0.7 else r.token_ids,
+                     r.start_position, r.prev_slot) for r in _runs(rng)]
+    cursor = 0
+    for _ in range(6):
+        max_entries = rng.choice([1, 7, 64, 10_000])
+        (slot, pred, pos, tok), nxt = sweep_entries(runs, cursor, max_entries, cache)
+        want, want_next = reference(runs, cursor, max_entries)
+        assert list(zip(slot.tolist(), pred.tolist(), pos.tolist(), tok.tolist(), strict=True)) == want
+        assert nxt == want_next
+        cursor = nxt
+        for i, r in enumerate(list(runs)):
+            change = rng.random()
+            if change < 0.2 and r.slots.numel():
+                r.slots[rng.randrange(r.slots.numel())] = rng.randrange(1, 5000)  # in place: version bump
+            elif change < 0.3 and isinstance(r.token_ids, list) and r.token_ids:
+                r.token_ids[0] += 1  # a list changed in place
+            elif change < 0.4 and r.token_ids is not None:
+                runs[i] = SweepRun(r.slots, tuple(t + 1 for t in r.token_ids), r.start_position, r.prev_slot)
+        if rng.random() < 0.3 and runs:
+            runs.pop(rng.randrange(len(runs)))
+        runs += _runs(rng)[:1]
+
+
+def test_a_cached_sweep_names_every_runs_totals_when_tokens_do_not_match():
+    cache = RunCache()
+    good = SweepRun(torch.tensor([7, 8]), (1, 2), 0)
+    sweep_entries([good], 0, 10, cache)
+    with pytest.raises(ValueError, match="5 slots but 4 token ids"):
+        sweep_entries([good, SweepRun(torch.tensor([3, 4, 5]), (1, 2), 0)], 0, 10, cache)

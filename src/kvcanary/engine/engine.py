@@ -269,7 +269,7 @@ class Engine:
             if node.is_on_host or node.lock_count:
                 continue
             prev = int(node.parent.slots[-1]) if node.parent is not self.tree.root else -1
-            runs.append(SweepRun(node.slots, list(node.key), node.start, prev))
+            runs.append(SweepRun(node.slots, node.key, node.start, prev))  # the node's own tuple: kept by a sweep
         return runs
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],

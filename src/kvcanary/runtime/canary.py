@@ -40,21 +40,21 @@ from kvcanary.core.record import (
 )
 from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
 from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable
-from kvcanary.ops.check import check_forward
+from kvcanary.ops.check import BoundCheck, check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
-from kvcanary.ops.landed import check_writes_landed, mark_writes
+from kvcanary.ops.landed import BoundMarks, check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
 from kvcanary.ops.stamp import stamp
 from kvcanary.ops.state import DeviceFlag, DeviceState
-from kvcanary.ops.verify import verify
+from kvcanary.ops.verify import BoundVerify, verify
 from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
-from kvcanary.runtime.sweep import SweepRun, sweep_entries
+from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
 from kvcanary.runtime.warmup import warm_up
 from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
 
@@ -144,6 +144,7 @@ class Canary:
         self.held: torch.Tensor | None = None  # idle prefix-cache slots the next HEAD must not see written
         self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
+        self.sweep_plan.enable.fill_(1)  # a sweep plan never overflows: its loads cap the count
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
         # HEAD and TAIL are one check_forward call each where a kernel serves; else the ops one by one
@@ -164,6 +165,7 @@ class Canary:
         self.host_rows: torch.Tensor | None = None
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
         self._sweep_cursor = 0
+        self._runs = RunCache()  # the sweeps' runs as host arrays, kept while they are unchanged
         self._staging: torch.Tensor | None = None  # CUDA: pinned rows a sweep's entries are copied from
         self._staging_read = None  # ... and the event of their last copies
         self._meta = StepMeta(0)
@@ -180,11 +182,42 @@ class Canary:
         self._side_captured = False  # ... launched inside a graph capture (joined inside it)
         self._side_held: torch.Tensor | None = None  # the held slots a side HEAD reads, alive until joined
         self._tail_started = False
+        # Triton: HEAD's and TAIL's launches with the canary's own arguments checked once (ops.check.BoundCheck)
+        self._bound = self._bind_checks() if self.backend is Backend.TRITON else None
+        # CUDA: the sweeps' verify with its plan checked once, and the plan's six entry columns as one block
+        self._sweep_verify = BoundVerify(self.state, self.sweep_plan, self.sources, config.real_kv, self.meta) \
+            if self._bound is not None and dev.type == "cuda" else None
+        self._sweep_block = self.sweep_plan.entry_columns() if dev.type == "cuda" else None
+        self._bound_marks = None  # ... and the side stream's HEAD: its write marks, on the model's stream
+        if self._bound is not None and self.side is not None and self.sources:
+            self._bound_marks = BoundMarks(self.state, self.sources, self.meta, config.real_kv)
         self.warmup_seconds = 0.0
         if warmup and dev.type == "cuda":
             self.warmup()
         elif warmup and self.backend is Backend.NUMBA:  # compiled once per machine, then loaded from disk
             self.warmup_seconds = compile_cpu_kernels()
+
+    def _bind_checks(self) -> dict[bool, BoundCheck] | None:
+        """HEAD's (True) and TAIL's (False) ``BoundCheck``; None where one refuses the canary's own
+        arguments (every call then takes ``check_forward``, which raises the error)."""
+        mode = self.config.real_kv
+        # with a side stream HEAD's call marks no source: mark_writes does, on the model's stream
+        head_sources = () if self.side is not None else self.sources
+        try:
+            return {stamp: BoundCheck(self.state, stamp=stamp, sources=head_sources if stamp else self.sources,
+                                      mode=mode, meta=self.meta, window=self.window,
+                                      marks=self.marks if stamp else None, truth=self.truth,
+                                      truth_lens=self.truth_lens)
+                    for stamp in (True, False)}
+        except KVCanaryError:
+            return None
+
+    def _checked(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, held=None) -> bool:
+        """HEAD or TAIL of ``b`` through the bound launch; False (nothing launched): call ``check_forward``."""
+        bound = self._bound
+        return bound is not None and bound[stamp](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token,
+                                                  b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
+                                                  lut=self._lut(b), held=held)
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile; runs on
@@ -314,12 +347,14 @@ class Canary:
             self.totals.seconds += time.perf_counter() - t0
             return
         if self.fused:
-            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                          lut=self._lut(b), window=self.window, marks=self.marks, held=self._held_now(),
-                          backend=self.backend)
+            held = self._held_now()
+            if not self._checked(b, tag, True, truth is not None, held):
+                check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                              extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                              positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
+                              truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
+                              lut=self._lut(b), window=self.window, marks=self.marks, held=held,
+                              backend=self.backend)
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
@@ -349,13 +384,15 @@ class Canary:
         self._tail_started = False  # a forward that raised never reached its tail
         lut, held = self._lut(b), self._held_now()
         with torch.cuda.stream(self._fork()):  # checks every input before it launches anything
-            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                          truth_lens=truth_lens, lut=lut, window=self.window, marks=self.marks, held=held,
-                          backend=self.backend)
+            if not self._checked(b, tag, True, truth is not None, held):
+                check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                              extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                              positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
+                              truth_lens=truth_lens, lut=lut, window=self.window, marks=self.marks, held=held,
+                              backend=self.backend)
         self._side_held, self.held = held, None
-        if self.sources:  # inputs checked above; on the current stream, ahead of the forward's writes
+        if self.sources and not (self._bound_marks is not None and self._bound_marks(b.out_cache_loc, lut)):
+            # inputs checked above; on the current stream, ahead of the forward's writes
             mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut, meta=self.meta,
                         mode=self.config.real_kv)
 
@@ -377,12 +414,14 @@ class Canary:
 
     def _launch_tail(self, b: ForwardBatch) -> None:
         bs = b.batch_size
-        truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
-        check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                      extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                      positions=b.positions, out_cache_loc=b.out_cache_loc, tag=self.tag(LaunchPoint.TAIL),
-                      stamp=False, truth=truth, truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv,
-                      meta=self.meta, lut=self._lut(b), window=self.window, backend=self.backend)
+        tag, truth = self.tag(LaunchPoint.TAIL), self._use_truth(b)
+        if not self._checked(b, tag, False, truth):
+            check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False,
+                          truth=self.truth if truth else None, truth_lens=self.truth_lens[:bs] if truth else None,
+                          sources=self.sources, mode=self.config.real_kv, meta=self.meta, lut=self._lut(b),
+                          window=self.window, backend=self.backend)
         if self.publishing and torch.cuda.is_current_stream_capturing():
             self.reporter.publish()  # each replay hands end_step its counters
         elif self._replays:
@@ -444,7 +483,7 @@ class Canary:
         """Slots (int64, this pool's numbering) the prefix cache holds that no request reads: the
         next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0)."""
         if self.config.enabled:
-            self.held = slots.to(self.state.device, torch.int64)
+            self.held = slots.to(self.state.device, torch.int64).contiguous()
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -462,7 +501,7 @@ class Canary:
         t0 = time.perf_counter()
         budget = self.config.sweep_budget_bytes if budget_bytes is None else budget_bytes
         n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
-        (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max)
+        (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max, self._runs)
         n = self._load_sweep_plan(slot, pred, pos, tok)
         self._meta.sweep_runs.append((slot, pos))
         self.totals.sweeps += 1
@@ -478,7 +517,7 @@ class Canary:
         on_cuda = p.slot.device.type == "cuda"
         if n:
             cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
-            block = p.entry_columns() if on_cuda else None
+            block = self._sweep_block
             if block is not None:  # the six columns (entry = slot, row = 0: no request) in one copy
                 block[:, :n].copy_(self._staged(cols), non_blocking=True)
             else:
@@ -487,9 +526,12 @@ class Canary:
                     buf[:n].copy_(vals, non_blocking=on_cuda)
                 p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
-        p.enable.fill_(1)
-        verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
-               mode=self.config.real_kv, meta=self.meta)
+        if self._sweep_verify is not None:  # enable: set once (nothing else writes this plan's)
+            self._sweep_verify(self.tag(LaunchPoint.SWEEP))
+        else:
+            p.enable.fill_(1)
+            verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
+                   mode=self.config.real_kv, meta=self.meta)
         if n and on_cuda:
             self._staging_read.record(torch.cuda.current_stream(self.state.device))
         return n
