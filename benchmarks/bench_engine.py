@@ -79,6 +79,14 @@ def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> di
             "canary_seconds": hooks.canary.totals.seconds if hooks else 0.0}
 
 
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def fmt(s: dict, digits: int) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,21 +106,27 @@ def main(argv=None) -> None:
     modes = ["off", *args.modes.split(",")]
     for m in modes:  # warm-up (kernel compiles, graph captures)
         run_once(m, args.device, prompts[:4], 4, options)
-    runs = [run_once(m, args.device, prompts, args.max_new_tokens, options) for _ in range(args.repeats)
-            for m in modes]
-    off = statistics.median(r["tok_per_s"] for r in runs if r["mode"] == "off")
+    runs = []
+    for k in range(args.repeats):  # each repeat runs every mode once, in an order rotated by one each repeat
+        order = modes[k % len(modes):] + modes[: k % len(modes)]
+        runs += [dict(run_once(m, args.device, prompts, args.max_new_tokens, options), repeat=k) for m in order]
     env = environment(torch.device(args.device))
     print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
-          f"{args.repeats} interleaved repeats; cuda graph {'on' if args.cuda_graph else 'off'}; median tokens/s")
-    print(f"{'mode':8} {'tok/s':>9} {'on/off':>7} {'canary share':>12} {'violations':>10}")
+          f"{args.repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
+          "medians [min-max] over repeats; on/off: of each repeat's pair")
+    print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'canary share':>22} {'violations':>10}")
+    off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
     summary = []
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
-        tps = statistics.median(r["tok_per_s"] for r in rs)
-        share = statistics.median(r["canary_seconds"] / r["seconds"] for r in rs)
+        tps = spread([r["tok_per_s"] for r in rs])
+        ratio = spread([r["tok_per_s"] / off_of[r["repeat"]] for r in rs])
+        share = spread([r["canary_seconds"] / r["seconds"] for r in rs])
         viol = sum(r["violations"] for r in rs)
-        summary.append({"mode": m, "tok_per_s": tps, "ratio": tps / off, "canary_share": share, "violations": viol})
-        print(f"{m:8} {tps:9.1f} {tps / off:7.3f} {share:12.3f} {viol:10d}")
+        summary.append({"mode": m, "tok_per_s": tps["median"], "ratio": ratio["median"],
+                        "canary_share": share["median"], "tok_per_s_spread": tps, "ratio_spread": ratio,
+                        "canary_share_spread": share, "violations": viol})
+        print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {fmt(share, 3):>22} {viol:10d}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph, "runs": runs,
