@@ -12,7 +12,8 @@ import kvcanary.ops
 ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
               "LaunchPoint", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
               "Violation", "__version__"]
-OPS_NAMES = ["HAS_TRITON", "Backend", "DeviceFlag", "DeviceState", "FingerprintMode", "KVSource", "Plan", "Workspace",
+OPS_NAMES = ["HAS_TRITON", "Backend", "BoundCheck", "BoundMarks", "BoundVerify", "DeviceFlag", "DeviceState",
+             "FingerprintMode", "KVSource", "Plan", "Workspace",
              "build_plan", "check_forward", "check_writes", "check_writes_landed", "fingerprint",
              "gather_expected_tokens", "mark_writes", "offsets_from_lengths", "scatter_req_token_ids", "stamp",
              "verify"]
