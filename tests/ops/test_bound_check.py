@@ -119,7 +119,7 @@ def test_a_batch_it_does_not_take_launches_nothing_and_check_forward_names_it(ca
     batch = REFUSED[case]({k: on_device(w[k], DEV) for k in BATCH})
     before = outputs(state, sources)
     # the device branch's own checks refuse it (on the CPU the value checks behind them would too)
-    assert not check._layout_ok(tuple(batch.values()), None)
+    assert not check._layout_ok(tuple(batch.values()), None, truth=True)
     assert not check(*batch.values(), tag=0, truth=True)
     for name, want in before.items():
         assert_same(f"{name} after a refused call", outputs(state, sources)[name], want)
@@ -168,3 +168,14 @@ def test_bound_arguments_are_checked_when_bound():
     wrong = source_meta(sources, FingerprintMode.PARTIAL, DEV)[:3]
     with pytest.raises(InputError, match="meta must be a contiguous int64"):
         BoundCheck(state, stamp=False, sources=sources, mode=FingerprintMode.PARTIAL, meta=wrong)
+
+
+@pytest.mark.parametrize("arg", ["held", "lut"])
+def test_a_non_tensor_held_or_lut_is_refused_and_named(arg):
+    w = world()
+    state = state_of(w, 2, 8)
+    batch = {k: on_device(w[k], DEV) for k in BATCH}
+    check = BoundCheck(state, stamp=True)
+    assert not check(*batch.values(), tag=0, **{arg: [3, 4]})
+    with pytest.raises(InputTypeError, match=f"{arg} must be a torch.Tensor"):
+        check_forward(state=state, **batch, tag=0, stamp=True, **{arg: [3, 4]}, backend=Backend.TRITON)

@@ -512,7 +512,7 @@ class _CheckLaunch:
             if fp_sources else 512
         self.cuda = state.device.type == "cuda"
         self.split, self.num_warps = split, HEAD_WARPS if stamp else 4
-        self.stamp, self.window, self.sync = stamp, window, ws.sync
+        self.sync = ws.sync
         self.block_t = WRITE_BLOCK if stamp else RECORD_BLOCK  # HEAD: 1024 tokens a program; TAIL: 128 fingerprints
         self.writers = stamp or bool(sources)
         self.seed = ws.seed
@@ -630,17 +630,18 @@ class BoundCheck:
         truth_t = self.truth if truth else None
         truth_lens = self.truth_lens if truth else None
         batch = (req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions, out_cache_loc)
-        if not self._layout_ok(batch, lut):
+        if not self._layout_ok(batch, lut, truth):
             return False
         if self.index < 0 and not self._host_ok(batch, truth_t, truth_lens, lut):  # check_forward's value checks
             return False
-        if held is not None and (not self.stamp or not vector_ok(held, held.shape[0], self.index)):
+        if held is not None and (not self.stamp or not isinstance(held, torch.Tensor)
+                                 or not vector_ok(held, held.shape[0], self.index)):
             return False
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
         self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag)
         return True
 
-    def _layout_ok(self, batch: tuple, lut) -> bool:
+    def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:
         rpi, prefix_lens, extend_lens, rtt, ids, pos, loc = batch
         index = self.index
         if not isinstance(rpi, torch.Tensor) or not isinstance(ids, torch.Tensor) or rpi.dim() != 1 or ids.dim() != 1:
@@ -651,7 +652,8 @@ class BoundCheck:
         for t, length in ((rpi, bs), (prefix_lens, bs), (extend_lens, bs), (ids, n), (pos, n), (loc, n)):
             if not vector_ok(t, length, index):
                 return False
-        if lut is not None and not (vector_ok(lut, lut.shape[0], index) and lut.shape[0] >= 1):
+        if lut is not None and not (isinstance(lut, torch.Tensor) and vector_ok(lut, lut.shape[0], index)
+                                    and lut.shape[0] >= 1):
             return False
         if (not isinstance(rtt, torch.Tensor) or rtt.dtype is not torch.int32 or rtt.dim() != 2
                 or rtt.get_device() != index):
@@ -659,7 +661,7 @@ class BoundCheck:
         rows, width = rtt.shape
         if rows < 1 or width < 1 or (width > 1 and rtt.stride(1) != 1) or (rows > 1 and rtt.stride(0) < width):
             return False
-        return self.truth is None or self.truth.shape[0] == rows
+        return not truth or self.truth.shape[0] == rows
 
     def _host_ok(self, batch: tuple, truth, truth_lens, lut) -> bool:
         checked = (*batch[:7], truth, truth_lens[: batch[0].shape[0]] if truth_lens is not None else None, lut)

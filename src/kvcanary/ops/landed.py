@@ -274,7 +274,8 @@ class BoundMarks:
         state.check()
         if not isinstance(out_cache_loc, torch.Tensor) or not vector_ok(out_cache_loc, out_cache_loc.shape[0], index):
             return False
-        if lut is not None and not (vector_ok(lut, lut.shape[0], index) and lut.shape[0] >= 1):
+        if lut is not None and not (isinstance(lut, torch.Tensor) and vector_ok(lut, lut.shape[0], index)
+                                    and lut.shape[0] >= 1):
             return False
         n = out_cache_loc.shape[0]
         launch(_mark_kernel, (max(cdiv(n, BLOCK), 1),),
