@@ -19,7 +19,7 @@ import torch
 @dataclass(frozen=True)
 class SweepRun:
     slots: torch.Tensor  # int64[n]
-    token_ids: Sequence[int] | None  # None: tokens unknown (not checked)
+    token_ids: Sequence[int] | None  # None: tokens unknown (not checked); a tuple is kept between sweeps
     start_position: int
     prev_slot: int = -1
 
