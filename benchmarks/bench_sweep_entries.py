@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
+from kvcanary.bench.timing import median_us
 from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
 
-
-def median_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+CPU = torch.device("cpu")
 
 
 def main() -> None:
@@ -40,8 +32,8 @@ def main() -> None:
             for _ in range(args.runs)]
     cache = RunCache()
     budget = 1 << 20
-    uncached = median_us(lambda: sweep_entries(runs, 5, budget), args.calls)
-    cached = median_us(lambda: sweep_entries(runs, 5, budget, cache), args.calls)
+    uncached = median_us(lambda: sweep_entries(runs, 5, budget), CPU, 1, args.calls)
+    cached = median_us(lambda: sweep_entries(runs, 5, budget, cache), CPU, 1, args.calls)
     print(f"{args.runs} runs x {args.slots} slots: uncached {uncached:.1f} us, from the cache {cached:.1f} us")
 
 
