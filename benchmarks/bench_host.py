@@ -158,9 +158,14 @@ def main() -> None:
     ap.add_argument("--step-us", type=float, default=1000.0)
     ap.add_argument("--json")
     ap.add_argument("--profile")
+    ap.add_argument("--truth", default="off,whole,appends", help="the token-truth kinds to run, in order")
     args = ap.parse_args()
+    unknown = set(args.truth.split(",")) - {"off", "whole", "appends"}
+    if unknown:
+        ap.error(f"--truth: unknown kinds {sorted(unknown)}; choose from off, whole, appends")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [(bs, 4096, FingerprintMode.PARTIAL, truth) for truth in ("off", "whole", "appends") for bs in (1, 64)]
+    cases = [(bs, 4096, FingerprintMode.PARTIAL, truth) for truth in args.truth.split(",")
+             for bs in (1, 64)]
     rows, prof = [], cProfile.Profile() if args.profile else None
     for bs, context, mode, truth in cases:
         canary, step, table = build_case(bs, context, mode, truth, gen)

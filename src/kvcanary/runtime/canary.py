@@ -659,29 +659,30 @@ class Canary:
         apply the policy, feed the watchdog, print the stats line when due. Raises CanaryViolation
         under the raise policy and WatchdogTimeout when checks stopped (raise and recompute)."""
         report = StepReport(step)
-        if not self.config.enabled:
+        if self.config.policy is Policy.OFF:
             return report
         t0 = time.perf_counter()
-        self.join()  # the counters are copied on the current stream
+        if self._side_busy:
+            self.join()  # the counters are copied on the current stream
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
-        self._meta.step = step
-        if self.reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
-            report.violations = self.reporter.read_host(self._meta)
-            self._meta = StepMeta(step + 1)
-            self.totals.steps += 1
-            report.alarms = self.watchdog.observe_launches(self.reporter.host_launches())
+        meta, reporter = self._meta, self.reporter
+        meta.step = step
+        if reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
+            report.violations = reporter.read_host(meta)
         else:
-            self.reporter.snapshot(self._meta, replays=self._replays)
-            self._meta = StepMeta(step + 1)
-            report.violations = self.reporter.collect()
-            self.totals.steps += 1
-            report.alarms = self.watchdog.observe_launches(self.reporter.host_launches())
+            reporter.snapshot(meta, replays=self._replays)
+            report.violations = reporter.collect()
+        self._meta = StepMeta(step + 1)
+        self.totals.steps += 1
+        report.alarms = self.watchdog.observe_launches(reporter.host_launches())
         self._replays = 0
         report.device_flags = self._read_device_flags()
-        self._account(report, upto_step=step - self.reporter.lag)
+        self._account(report, upto_step=step - reporter.lag)
         self.totals.seconds += time.perf_counter() - t0
-        self._report_device_flags(report)
-        self._apply_policy(report)
+        if report.device_flags:
+            self._report_device_flags(report)
+        if report.violations or report.alarms:  # a clean step has no policy to apply
+            self._apply_policy(report)
         return report
 
     def _read_device_flags(self, flush: bool = False) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 from kvcanary.core.record import STAT_LAUNCHES, LaunchPoint
 
 _POINTS = tuple(LaunchPoint)
+_SWEEP = _POINTS.index(LaunchPoint.SWEEP)
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,11 @@ class WatchdogAlarm:
 class Watchdog:
     def __init__(self, window: int, periodic_sweeps: bool = True):
         self.window, self.periodic_sweeps = window, periodic_sweeps
-        self._last = {p: 0 for p in LaunchPoint}
-        self._since = {p: 0 for p in LaunchPoint}
-        self._seen = {LaunchPoint.HEAD: True, LaunchPoint.TAIL: True, LaunchPoint.SWEEP: False}
-        self._fired = {p: False for p in LaunchPoint}
+        # per launch point, indexed by its value (a step's check runs on plain lists, no enum hashing)
+        self._last = [0] * len(_POINTS)
+        self._since = [0] * len(_POINTS)
+        self._seen = [p is not LaunchPoint.SWEEP for p in _POINTS]
+        self._fired = [False] * len(_POINTS)
 
     def observe(self, stats, steps: int = 1) -> list[WatchdogAlarm]:
         """Feed a stats snapshot (int64[tags, 3], a tensor or a numpy array) covering ``steps`` more
@@ -46,14 +48,14 @@ class Watchdog:
     def observe_launches(self, launches, steps: int = 1) -> list[WatchdogAlarm]:
         """``observe`` from each launch point's launch count so far (a sequence in LaunchPoint order)."""
         alarms = []
-        for p in _POINTS:
-            n = launches[p]
-            if n != self._last[p]:
-                self._last[p], self._since[p], self._seen[p], self._fired[p] = n, 0, True, False
+        last, since = self._last, self._since
+        for i, n in enumerate(launches):
+            if n != last[i]:
+                last[i], since[i], self._seen[i], self._fired[i] = n, 0, True, False
                 continue
-            self._since[p] += steps
-            watched = self._seen[p] and (p is not LaunchPoint.SWEEP or self.periodic_sweeps)
-            if watched and self._since[p] > self.window and not self._fired[p]:
-                self._fired[p] = True
-                alarms.append(WatchdogAlarm(p, self._since[p], self.window))
+            since[i] += steps
+            watched = self._seen[i] and (i != _SWEEP or self.periodic_sweeps)
+            if watched and since[i] > self.window and not self._fired[i]:
+                self._fired[i] = True
+                alarms.append(WatchdogAlarm(_POINTS[i], since[i], self.window))
         return alarms
