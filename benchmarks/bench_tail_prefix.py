@@ -27,7 +27,7 @@ import triton.language as tl
 
 import kvcanary.ops.check as check_mod
 from kvcanary import Canary, CanaryConfig, ForwardBatch, Half, KVSource, LaunchPoint, PoolGeometry
-from kvcanary.bench.step_parts import write_covered
+from kvcanary.bench.step_parts import uniform_batch, write_covered
 from kvcanary.bench.timing import graph_us
 from kvcanary.config import Policy
 from kvcanary.ops import FingerprintMode, check_forward
@@ -97,14 +97,7 @@ class Case:
         self.prefix = self.batch(ctx, 0)
 
     def batch(self, prefix: int, extend: int) -> ForwardBatch:
-        dev, bs = self.table.device, self.bs
-        rows = torch.arange(1, bs + 1, device=dev)
-        pos = torch.arange(prefix, prefix + extend, device=dev).repeat(bs)
-        row_of = rows.repeat_interleave(extend)
-        return ForwardBatch(req_pool_indices=rows, prefix_lens=torch.full((bs,), prefix, device=dev),
-                            extend_lens=torch.full((bs,), extend, device=dev), req_to_token=self.table,
-                            input_ids=self.tokens[row_of, pos], positions=pos,
-                            out_cache_loc=self.table[row_of, pos].long())
+        return uniform_batch(self.table, self.tokens, self.bs, prefix, extend)
 
     def tail(self, mode: FingerprintMode):
         c, b = self.canary, self.prefix

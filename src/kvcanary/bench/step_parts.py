@@ -79,14 +79,19 @@ class StepBatch:
         self.step = self._batch(shape.bs, shape.context, shape.extend)
 
     def _batch(self, bs: int, prefix: int, extend: int) -> ForwardBatch:
-        dev = self.table.device
-        rows = torch.arange(1, bs + 1, device=dev)
-        pos = torch.arange(prefix, prefix + extend, device=dev).repeat(bs)
-        row_of = rows.repeat_interleave(extend)
-        return ForwardBatch(req_pool_indices=rows, prefix_lens=torch.full((bs,), prefix, device=dev),
-                            extend_lens=torch.full((bs,), extend, device=dev), req_to_token=self.table,
-                            input_ids=self.tokens[row_of, pos], positions=pos,
-                            out_cache_loc=self.table[row_of, pos].long())
+        return uniform_batch(self.table, self.tokens, bs, prefix, extend)
+
+
+def uniform_batch(table: torch.Tensor, tokens: torch.Tensor, bs: int, prefix: int, extend: int) -> ForwardBatch:
+    """Requests 1..bs of ``table`` (page-table rows), each reading ``prefix`` cached positions and
+    writing the next ``extend``, whose tokens are ``tokens[row, position]``."""
+    dev = table.device
+    rows = torch.arange(1, bs + 1, device=dev)
+    pos = torch.arange(prefix, prefix + extend, device=dev).repeat(bs)
+    row_of = rows.repeat_interleave(extend)
+    return ForwardBatch(req_pool_indices=rows, prefix_lens=torch.full((bs,), prefix, device=dev),
+                        extend_lens=torch.full((bs,), extend, device=dev), req_to_token=table,
+                        input_ids=tokens[row_of, pos], positions=pos, out_cache_loc=table[row_of, pos].long())
 
 
 def build_canary(model: Decoder, sb: StepBatch, mode: FingerprintMode, num_slots: int, warmup: bool = True,
