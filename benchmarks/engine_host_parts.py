@@ -9,10 +9,14 @@ host). Prints calls, median and mean µs and the total per part, largest first. 
 so a part includes the parts it calls, and each adds ~1 µs of its own.
 
     PYTHONPATH=src python3 benchmarks/engine_host_parts.py [--whole-truth] [--triton-launch]
+    PYTHONPATH=src python3 benchmarks/engine_host_parts.py --profile N
 
-``--whole-truth``: every step hands its token truth as whole histories (``EngineConfig.truth_appends
-= False``) instead of CUDA's default, decode truth as appends. ``--triton-launch``: every launch
-through Triton's own (``JITFunction.run``), as before the ops' direct launch.
+``--profile N``: instead of the timers, run the workload under cProfile and print the N functions
+with the most own time (the canary's, torch's and Triton's alike; cProfile slows each call, so
+read the order, not the µs). ``--whole-truth``: every step hands its token truth as whole
+histories (``EngineConfig.truth_appends = False``) instead of CUDA's default, decode truth as
+appends. ``--triton-launch``: every launch through Triton's own (``JITFunction.run``), as before
+the ops' direct launch.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from kvcanary.runtime.canary import Canary  # noqa: E402
 
 CANARY_METHODS = ("launch_head", "_launch_head_overlapped", "start_tail", "_launch_tail", "tail", "prepare_head",
                   "end_step", "sweep", "_load_sweep_plan", "join", "_fork", "_check_truth_batch", "_account",
-                  "_read_device_flags", "_apply_policy", "_report_device_flags", "hold")
+                  "_read_device_flags", "_apply_policy", "_report_device_flags", "hold", "_checked", "_staged")
 
 
 def main() -> None:
@@ -54,6 +58,9 @@ def main() -> None:
     opts = be.engine_options(True) | ({"truth_appends": False} if "--whole-truth" in sys.argv[1:] else {})
     for _ in range(2):
         be.run_once("partial", "cuda", prompts, 32, opts)
+    if "--profile" in sys.argv[1:]:
+        profile(prompts, opts, int(sys.argv[sys.argv.index("--profile") + 1]))
+        return
     acc: dict[str, list[float]] = collections.defaultdict(list)
 
     def timed(f, label):
@@ -82,8 +89,10 @@ def main() -> None:
     wrap(ld, "validate_landed", "ops.landed.validate_landed")
     wrap(sc, "scatter_validated", "ops.scatter.scatter_validated", cm)
     wrap(cm, "sweep_entries", "runtime.sweep.sweep_entries")
-    for n in ("snapshot", "collect"):
+    for n in ("snapshot", "collect", "host_launches", "_copy_cuda", "_read"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
+    wrap(chk._CheckLaunch, "launch", "ops.check._CheckLaunch.launch")
+    wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, "arrays", "runtime.sweep.RunCache.arrays")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
     direct = timed(sys.modules["kvcanary.ops.launcher"].launch, lambda fn: f"ops launch {fn.fn.__name__}")
@@ -96,6 +105,21 @@ def main() -> None:
     for name, ts in sorted(acc.items(), key=lambda x: -sum(x[1])):
         print(f"{name:<40}{len(ts):>6}{statistics.median(ts) * 1e6:9.1f}{statistics.mean(ts) * 1e6:9.1f}"
               f"{sum(ts) * 1e3:9.2f}")
+
+
+def profile(prompts, opts, top: int) -> None:
+    """One run under cProfile: the ``top`` functions by own time, then the canary's own methods."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    r = be.run_once("partial", "cuda", prompts, 32, opts)
+    prof.disable()
+    print(f"run (profiled): {r['seconds']:.3f} s, {r['steps']} steps, canary {r['canary_seconds'] * 1e3:.1f} ms")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(r"kvcanary/(runtime|ops)/", top)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ its count.
 | truth, truth_lens | int32[rows, w], int64[bs] | token history per row (optional)                 |
 | lut, window       | int64[n], int        | sliding-window pool: slot translation, window (0 = full) |
 
-One launch, ``1 + bs * split + cdiv(T, B)`` programs (B = 1024 tokens for HEAD, 128 for TAIL).
+One launch, ``1 + bs * split + cdiv(T, B)`` programs (B = ``WRITE_BLOCK``, 256 tokens, for HEAD; 128 for TAIL).
 Programs take tickets from a device counter in the order they start (``Workspace.sync``), so
 waiting on a lower ticket cannot deadlock: ticket 0 computes the write offsets and seeds, the next
 ``bs * split`` tickets verify request ``r`` (split ``s`` walks positions ``lo + s*V, lo + (s +
@@ -513,7 +513,7 @@ class _CheckLaunch:
         self.cuda = state.device.type == "cuda"
         self.split, self.num_warps = split, HEAD_WARPS if stamp else 4
         self.sync = ws.sync
-        self.block_t = WRITE_BLOCK if stamp else RECORD_BLOCK  # HEAD: 1024 tokens a program; TAIL: 128 fingerprints
+        self.block_t = WRITE_BLOCK if stamp else RECORD_BLOCK  # HEAD: 256 tokens a program; TAIL: 128 fingerprints
         self.writers = stamp or bool(sources)
         self.seed = ws.seed
         self.state_args = (state.ring, state.ring_counter, state.stats, state.error, ws.sync, ws.write_offsets,
