@@ -166,8 +166,12 @@ class Canary:
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
         self._sweep_cursor = 0
         self._runs = RunCache()  # the sweeps' runs as host arrays, kept while they are unchanged
-        self._staging: torch.Tensor | None = None  # CUDA: pinned rows a sweep's entries are copied from
-        self._staging_read = None  # ... and the event of their last copies
+        # CUDA: pinned rows a sweep's entries are copied from, and the event of their last copies;
+        # made here, not at the first sweep, which would pay the pinned allocation (about a ms)
+        on_cuda = dev.type == "cuda"
+        self._staging = torch.empty((6, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True) \
+            if on_cuda else None
+        self._staging_read = torch.cuda.Event() if on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -541,9 +545,6 @@ class Canary:
         pred, position, token; then entry = slot and row = 0), so the plan's copies are queued
         without blocking the host; the last sweep's copies have read the rows before they are
         rewritten."""
-        if self._staging is None:
-            self._staging = torch.empty((6, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True)
-            self._staging_read = torch.cuda.Event()
         self._staging_read.synchronize()  # a sweep or more old: long done
         n = cols.shape[1]
         rows = self._staging[:, :n]
