@@ -23,10 +23,8 @@ import torch
 import kvcanary.ops.check as check_mod
 import kvcanary.ops.launcher as launcher
 import kvcanary.ops.state as state_mod
-from bench_tail_prefix import NONE, Case
-from kvcanary import Half, KVSource, LaunchPoint
+from bench_tail_prefix import NONE, Case, kv_sources, profile_once
 from kvcanary.bench.timing import graph_us
-from kvcanary.ops import check_forward
 from kvcanary.ops.landed import mark_writes
 
 
@@ -62,16 +60,9 @@ class HeadCase(Case):
         c.truth_lens[:bs] = ctx + 1
 
     def head(self, truth: bool):
-        c, b = self.canary, self.decode
-        tag = c.tag(LaunchPoint.HEAD)
-
-        def run():
-            check_forward(state=c.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True,
-                          truth=c.truth if truth else None, truth_lens=c.truth_lens[: self.bs] if truth else None,
-                          marks=c.marks)
-        return run
+        c = self.canary
+        return self.check(self.decode, True, truth=c.truth if truth else None,
+                          truth_lens=c.truth_lens[: self.bs] if truth else None, marks=c.marks)
 
     def marks(self):
         c, b = self.canary, self.decode
@@ -82,15 +73,7 @@ class HeadCase(Case):
         return run
 
     def tail_decode(self):
-        c, b = self.canary, self.decode
-        tag = c.tag(LaunchPoint.TAIL)
-
-        def run():
-            check_forward(state=c.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                          extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False,
-                          mode=NONE)
-        return run
+        return self.check(self.decode, False, mode=NONE)
 
 
 def main() -> None:
@@ -107,22 +90,12 @@ def main() -> None:
     shapes = [(*(int(x) for x in s.rstrip("p").split("x")), s.endswith("p"))
               for s in (args.ncu or args.shapes).split(",")]
     num_slots = max(1 + max(bs * -(-(ctx + 1) // 16) for bs, ctx, _ in shapes) * 16, 524560)
-    kv = [torch.empty(num_slots, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(4)]
-    for t in kv:
-        t.view(torch.int16).random_(generator=gen)
-    sources = [KVSource.from_buffer(buf, half=Half.K if i % 2 == 0 else Half.V, layer=i // 2 * 31)
-               for i, buf in enumerate(kv)]
+    sources = kv_sources(num_slots, gen, dev)
     results = []
     for bs, ctx, prefill in shapes:
         case = HeadCase(bs, ctx, sources, num_slots, gen, dev, prefill)
         if args.ncu:
-            run = case.head(False)
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            profile_once(case.head(False))
             return
         before = case.violations()
         row = dict(shape=f"prefill {ctx} x bs {bs}" if prefill else f"bs {bs} @ {ctx}", launch=args.launch)

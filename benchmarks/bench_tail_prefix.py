@@ -99,17 +99,21 @@ class Case:
     def batch(self, prefix: int, extend: int) -> ForwardBatch:
         return uniform_batch(self.table, self.tokens, self.bs, prefix, extend)
 
-    def tail(self, mode: FingerprintMode):
-        c, b = self.canary, self.prefix
-        sources, meta = (c.sources, c.meta) if mode is not NONE else ((), None)
-        tag = c.tag(LaunchPoint.TAIL)
+    def check(self, b: ForwardBatch, stamp: bool, **kwargs):
+        """``check_forward`` of ``b`` on the canary's state: HEAD (``stamp``) or TAIL, with ``kwargs``."""
+        c = self.canary
+        tag = c.tag(LaunchPoint.HEAD if stamp else LaunchPoint.TAIL)
 
         def run():
             check_forward(state=c.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False,
-                          sources=sources, mode=mode, meta=meta)
+                          positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=stamp, **kwargs)
         return run
+
+    def tail(self, mode: FingerprintMode):
+        c = self.canary
+        sources, meta = (c.sources, c.meta) if mode is not NONE else ((), None)
+        return self.check(self.prefix, False, sources=sources, mode=mode, meta=meta)
 
     def gather(self, records: bool):
         words = [s.words for s in self.canary.sources]
@@ -143,6 +147,25 @@ def time_case(case: Case, launches: list[str]) -> dict:
     return row
 
 
+def kv_sources(num_slots: int, gen, dev) -> list[KVSource]:
+    """K and V of layers 0 and 31: four random [num_slots, 8, 128] bf16 buffers."""
+    kv = [torch.empty(num_slots, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(4)]
+    for t in kv:
+        t.view(torch.int16).random_(generator=gen)
+    return [KVSource.from_buffer(buf, half=Half.K if i % 2 == 0 else Half.V, layer=i // 2 * 31)
+            for i, buf in enumerate(kv)]
+
+
+def profile_once(run) -> None:
+    """``run`` once to warm up, then once between the profiler's start and stop."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x4096,64x4096,256x512,16x32768", help="requests x prefix tokens, ...")
@@ -154,22 +177,12 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(7)
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.ncu or args.shapes).split(",")]
     num_slots = max(1 + max(bs * -(-(ctx + 1) // PAGE) for bs, ctx in shapes) * PAGE, 524560)
-    kv = [torch.empty(num_slots, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(4)]
-    for t in kv:
-        t.view(torch.int16).random_(generator=gen)
-    sources = [KVSource.from_buffer(buf, half=Half.K if i % 2 == 0 else Half.V, layer=i // 2 * 31)
-               for i, buf in enumerate(kv)]
+    sources = kv_sources(num_slots, gen, dev)
     results = []
     for bs, ctx in shapes:  # one canary at a time: each fill rewrites rows an earlier one fingerprinted
         case = Case(bs, ctx, sources, num_slots, gen, dev)
         if args.ncu:
-            run = case.tail(PARTIAL)
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            profile_once(case.tail(PARTIAL))
             return
         results.append(time_case(case, list(filter(None, args.launch.split(",")))))
         print(json.dumps(results[-1]), flush=True)
