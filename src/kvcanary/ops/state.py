@@ -36,7 +36,7 @@ from kvcanary.ops._common import cdiv, check_buffers, check_count, check_tensor
 
 # tokens per look-back block of check_forward's writers: 256 (one a thread with HEAD's 8 warps) keeps
 # HEAD's kernel at 80 registers, against 222 at 1024, which left one block an SM for its verifiers too
-# (benchmarks/bench_head.py on an H200: a decode HEAD 28-39 % faster, a 16k prefill's the same)
+# (benchmarks/bench_head.py on an H200: a decode HEAD 23-45 % faster, a 16k prefill's the same)
 WRITE_BLOCK = 256
 
 
