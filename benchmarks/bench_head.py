@@ -23,7 +23,7 @@ import torch
 import kvcanary.ops.check as check_mod
 import kvcanary.ops.launcher as launcher
 import kvcanary.ops.state as state_mod
-from bench_tail_prefix import NONE, Case, kv_sources, profile_once
+from bench_tail_prefix import NONE, Case, kv_sources, profile_once, report
 from kvcanary.bench.timing import graph_us
 from kvcanary.ops.landed import mark_writes
 
@@ -110,13 +110,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del case
         torch.cuda.empty_cache()
-    keys = [k for k in results[0] if k not in ("shape", "launch", "violations", "kernels")]
-    print(f"\n{'µs in graph replay':18s}" + "".join(f"{k:>15s}" for k in keys) + "  violations")
-    for r in results:
-        print(f"{r['shape']:18s}" + "".join(f"{r[k]:15.1f}" for k in keys) + f"  {r['violations']}  {r['kernels']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, ("launch",), 15, args.json, also="kernels")
 
 
 if __name__ == "__main__":

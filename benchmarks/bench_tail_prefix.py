@@ -166,6 +166,19 @@ def profile_once(run) -> None:
     torch.cuda.profiler.stop()
 
 
+def report(results: list[dict], skip: tuple, width: int, json_path: str, also: str = "") -> None:
+    """The table of ``results`` (µs columns, all but ``shape``, ``violations`` and ``skip``; the
+    field ``also`` last, as text), then the JSON at ``json_path`` when given."""
+    keys = [k for k in results[0] if k not in ("shape", "violations", also, *skip)]
+    print(f"\n{'µs in graph replay':18s}" + "".join(f"{k:>{width}s}" for k in keys) + "  violations")
+    for r in results:
+        print(f"{r['shape']:18s}" + "".join(f"{r[k]:{width}.1f}" for k in keys) + f"  {r['violations']}"
+              + (f"  {r[also]}" if also else ""))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x4096,64x4096,256x512,16x32768", help="requests x prefix tokens, ...")
@@ -188,13 +201,7 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
         del case
         torch.cuda.empty_cache()
-    keys = [k for k in results[0] if k not in ("shape", "rows", "violations")]
-    print(f"\n{'µs in graph replay':18s}" + "".join(f"{k:>18s}" for k in keys) + "  violations")
-    for r in results:
-        print(f"{r['shape']:18s}" + "".join(f"{r[k]:18.1f}" for k in keys) + f"  {r['violations']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, ("rows",), 18, args.json)
 
 
 if __name__ == "__main__":
