@@ -7,10 +7,13 @@ step: scheduling, ``hooks.before_forward`` (sweeps, faults, and the canary's tok
 unless the batch hands its truth as appends: then the graph appends it, from fixed buffers),
 ``hooks.after_forward`` (the step report, policies) and sampling.
 
-A batch size is captured right after its first eager decode step (so every kernel is compiled
-and every library handle exists); later decode steps of that size copy their tensors into the
-graph's fixed buffers and replay it. ``req_to_token``, the pools and the canary's buffers are the
-engine's own persistent tensors, read in place.
+A batch size is captured at its first decode step, before that step runs: the step is the
+graph's first replay, as every later decode step of that size is (its tensors copied into the
+graph's fixed buffers). No step of a captured size runs eagerly, as in an engine that captures
+every size at startup. Every kernel and library handle a capture records exists by then: a
+decode step follows the prefill of each of its requests, which ran eagerly (the same model
+kernels), and a canary compiles its kernels when it is built. ``req_to_token``, the pools and
+the canary's buffers are the engine's own persistent tensors, read in place.
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ class DecodeGraphs:
         return (batch.batch_size in self.batch_sizes and batch.num_tokens == batch.batch_size
                 and (not self.appends or batch.truth_starts is not None))
 
-    def load(self, batch: ForwardBatch) -> ForwardBatch | None:
-        """Copy ``batch`` into its size's buffers and return the batch to run (its host-side fields
-        are ``batch``'s), or None when that size is not captured yet."""
-        step = self.captured.get(batch.batch_size) if self.eligible(batch) else None
-        if step is None:
+    def load(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> ForwardBatch | None:
+        """Copy ``batch`` into its size's buffers and return the batch to replay (its host-side
+        fields are ``batch``'s), capturing ``device_step`` for that size first if it is not
+        captured yet; None for a batch that runs eagerly (not ``eligible``)."""
+        if not self.eligible(batch):
             return None
+        step = self.captured.get(batch.batch_size)
+        if step is None:
+            step = self.capture(batch, device_step)
         for name in self.fields:
             getattr(step.batch, name).copy_(getattr(batch, name), non_blocking=True)
         if self.appends:
@@ -71,7 +77,7 @@ class DecodeGraphs:
         self.replays += 1
         return step.logits
 
-    def capture(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> None:
+    def capture(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> CapturedStep:
         """Capture ``device_step`` on fixed copies of ``batch``'s tensors (nothing runs now)."""
         static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in self.fields})
         graph = torch.cuda.CUDAGraph()
@@ -87,4 +93,5 @@ class DecodeGraphs:
             if collecting:
                 gc.enable()
         self.mempool = graph.pool()
-        self.captured[batch.batch_size] = CapturedStep(graph, static, logits)
+        step = self.captured[batch.batch_size] = CapturedStep(graph, static, logits)
+        return step

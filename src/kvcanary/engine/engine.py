@@ -155,7 +155,9 @@ class Engine:
         batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo,
                                     appends=self.config.appends_truth)
         batch_reqs = [req for req, _ in plan]
-        graphed = self.graphs.load(batch) if self.graphs is not None else None
+        graphed = None
+        if self.graphs is not None:  # a size's first decode step captures its graph (nothing runs then)
+            graphed = self.graphs.load(batch, lambda b: self._device_step(b, static=True))
         if self.jitter is not None:
             self.jitter.draw()
         if graphed is not None:
@@ -163,8 +165,6 @@ class Engine:
         self.hooks.before_forward(batch)
         logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch)
         self.hooks.after_forward(batch)
-        if graphed is None and self.graphs is not None and self.graphs.eligible(batch):
-            self.graphs.capture(batch, lambda b: self._device_step(b, static=True))
         if self._late_writes:
             self._land_late_writes(batch)
         # a hook may have retracted requests (recompute policy): they produce nothing this step
