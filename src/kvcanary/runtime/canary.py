@@ -520,11 +520,11 @@ class Canary:
             return n  # the compiled verify of the entries themselves: no plan tensors filled
         on_cuda = p.slot.device.type == "cuda"
         if n:
-            cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
             block = self._sweep_block
             if block is not None:  # the six columns (entry = slot, row = 0: no request) in one copy
-                block[:, :n].copy_(self._staged(cols), non_blocking=True)
+                block[:, :n].copy_(self._staged((slot, pred, pos, tok)), non_blocking=True)
             else:
+                cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
                 cols = self._staged(cols)[:4] if on_cuda else torch.from_numpy(cols)
                 for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
                     buf[:n].copy_(vals, non_blocking=on_cuda)
@@ -540,17 +540,18 @@ class Canary:
             self._staging_read.record(torch.cuda.current_stream(self.state.device))
         return n
 
-    def _staged(self, cols: np.ndarray) -> torch.Tensor:
-        """The sweep plan's six entry columns in pinned host rows (``cols``: int32 [4, n] slot,
-        pred, position, token; then entry = slot and row = 0), so the plan's copies are queued
-        without blocking the host; the last sweep's copies have read the rows before they are
-        rewritten."""
+    def _staged(self, cols) -> torch.Tensor:
+        """The sweep plan's six entry columns in pinned host rows (``cols``: slot, pred, position,
+        token, each n integers, as int32; then entry = slot and row = 0), so the plan's copies are
+        queued without blocking the host; the last sweep's copies have read the rows before they
+        are rewritten."""
         self._staging_read.synchronize()  # a sweep or more old: long done
-        n = cols.shape[1]
+        n = len(cols[0])
         rows = self._staging[:, :n]
         host = rows.numpy()
-        host[:4] = cols
-        host[4] = cols[0]
+        for i in range(4):
+            host[i] = cols[i]  # cast to int32 as they are written
+        host[4] = host[0]
         host[5] = 0
         return rows
 

@@ -47,8 +47,15 @@ def sweep_entries(runs: Sequence[SweepRun], cursor: int, max_entries: int, cache
     pos = np.arange(total, dtype=np.int64) + np.repeat(starts - heads, lens)
     start = cursor % total
     take = min(max_entries, total)
-    idx = (start + np.arange(take)) % total
-    return (slot[idx], pred[idx], pos[idx], tok[idx]), int((start + take) % total)
+    return tuple(_window(a, start, take) for a in (slot, pred, pos, tok)), int((start + take) % total)
+
+
+def _window(a: np.ndarray, start: int, take: int) -> np.ndarray:
+    """``take`` elements of ``a`` from ``start`` on, wrapping at its end (``take <= len(a)``)."""
+    end = start + take
+    if end <= a.shape[0]:
+        return a[start:end]
+    return np.concatenate((a[start:], a[: end - a.shape[0]]))
 
 
 def _tokens(runs: list[SweepRun], lens: list[int], total: int) -> np.ndarray:
