@@ -139,7 +139,7 @@ def tail_registers() -> str:
     k = launcher._kernels.get(id(check_mod._check_kernel))
     if k is None:
         return ""
-    out = {f"{c.n_regs} regs, {c.n_spills} B spilled" for key, c in k.compiled.items()
+    out = {f"{c.n_regs} regs, {c.n_spills} B spilled" for key, c in (*k.compiled.items(), *k.bound.items())
            if not key[2][0] and key[1] == LAUNCH["warps"] and key[3] == LAUNCH["maxnreg"]}
     return "; ".join(sorted(out))
 

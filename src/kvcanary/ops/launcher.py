@@ -52,6 +52,7 @@ class _Kernel:
         # the fast path passes positional arguments then constexprs in signature order
         self.usable = all(p.is_constexpr for p in params[first:])
         self.compiled: dict = {}
+        self.bound: dict = {}  # BoundLaunch's, keyed with the bound arguments' part as one tuple
 
 
 _kernels: dict[int, _Kernel] = {}
@@ -137,8 +138,8 @@ class BoundLaunch:
         self._fixed_at = tuple(i for i in range(len(args)) if i not in dyn)
         self._tensors = tuple(a for i, a in enumerate(args) if i not in dyn and isinstance(a, torch.Tensor))
         self._ptrs: tuple | None = None  # the bound tensors' addresses when their key part was made
+        self._fixed_key: tuple = ()  # ... and that key part
         self._values: list | None = None  # every value to launch with; the dynamic ones replaced per call
-        self._compiled: dict = {}
 
     def __call__(self, grid: tuple, dynamic_args: tuple, constexprs: dict, num_warps: int = 4,
                  maxnreg: int | None = None) -> None:
@@ -157,20 +158,20 @@ class BoundLaunch:
             values = [None] * len(self.args)
             for i, v in zip(self._fixed_at, fixed_values, strict=True):
                 values[i] = v
-            self._values, self._ptrs, self._compiled = values, ptrs, {}
+            self._values, self._ptrs, self._fixed_key = values, ptrs, tuple(fixed_key)
         key, dyn_values = _key(k, dynamic_args, self.dynamic)
         if key is None:
             launch(self.fn, grid, self._merged(dynamic_args), constexprs, num_warps, maxnreg)
             return
         get_device, get_stream, _ = drv
         device = get_device()
-        key = (device, num_warps, tuple(constexprs[name] for name in k.constexprs), maxnreg, *key)
-        kernel = self._compiled.get(key)
+        key = (device, num_warps, tuple(constexprs[name] for name in k.constexprs), maxnreg, self._fixed_key, *key)
+        kernel = k.bound.get(key)  # shared by every BoundLaunch of the kernel (check_forward makes one a call)
         if kernel is None:
             options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
             kernel = self.fn[grid](*self._merged(dynamic_args), **constexprs, **options)
             if kernel is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "run"):
-                self._compiled[key] = kernel
+                k.bound[key] = kernel
             return
         values = self._values.copy()
         for i, v in zip(self.dynamic, dyn_values, strict=True):
