@@ -136,8 +136,9 @@ def test_a_kept_kernel_skips_tritons_launch_and_computes_the_same(monkeypatch):
 @needs_cuda
 def test_a_bound_launch_computes_what_tritons_launch_does_and_follows_a_moved_tensor(monkeypatch):
     """The scatter with its pool, flags and lengths bound and the batch dynamic: the same rows as
-    Triton's own launch, no ``JITFunction.run`` once kept, and after the bound pool is moved to
-    new storage (``set_``) the launch writes the new storage, not the freed one."""
+    Triton's own launch, no ``JITFunction.run`` once kept (by this BoundLaunch or another of the
+    same kernel), and after the bound pool is moved to new storage (``set_``) the launch writes
+    the new storage, not the freed one."""
     from triton.runtime.jit import JITFunction
 
     gen = torch.Generator().manual_seed(6)
@@ -168,20 +169,24 @@ def test_a_bound_launch_computes_what_tritons_launch_does_and_follows_a_moved_te
                                                        bs, rows, width, width), constexprs)
             return out.cpu()
 
-    for _ in range(3):
-        b = batch()
+    def launched(launcher_, b) -> int:
+        """JITFunction.run calls of one launch, after which the pool must hold Triton's rows."""
         pool.fill_(-3)
         calls.clear()
-        bound((bs, 1), b, constexprs)
+        launcher_((bs, 1), b, constexprs)
+        n = len(calls)
         assert torch.equal(pool.cpu(), want(b, pool))
-    assert calls == []  # kept since the first call
+        return n
+
+    assert [launched(bound, batch()) for _ in range(3)][1:] == [0, 0]  # kept since the first call
+    again = launcher.BoundLaunch(_scatter_kernel, args, (0, 1, 2, 6, 7))  # check_forward's way: one a call
+    assert launched(again, batch()) == 0  # the first one's kept kernel
     old = pool.data_ptr()
-    pool.set_(torch.full((rows * width + 4,), -3, dtype=torch.int32, device=dev)[4:].untyped_storage(),
-              4, (rows, width), (width, 1))
-    assert pool.data_ptr() != old
-    b = batch()
-    bound((bs, 1), b, constexprs)
-    assert torch.equal(pool.cpu(), want(b, pool))
+    # new storage, one int32 in: an address that is not a multiple of 16 (another specialisation)
+    pool.set_(torch.full((rows * width + 1,), -3, dtype=torch.int32, device=dev).untyped_storage(),
+              1, (rows, width), (width, 1))
+    assert pool.data_ptr() != old and pool.data_ptr() % 16
+    launched(bound, batch())
 
 
 @gpu
