@@ -2,7 +2,8 @@
 own specialisation tells apart, a kept kernel is launched without Triton's binding, and what it
 computes is what Triton's launch computes; a bound launch (``BoundLaunch``) keys its bound
 arguments once and again when one of them moves. On CUDA only (elsewhere Triton's own launch
-serves), but for the key's parts, which are plain Python."""
+serves), but for the key's parts and the values a bound launch hands a compiled kernel, checked
+on any machine with a stand-in driver and kernel."""
 
 from __future__ import annotations
 
@@ -84,6 +85,71 @@ def test_the_key_of_some_arguments_is_the_same_part_of_the_whole_key():
             for i, part, value in zip(at, key, values, strict=True):
                 merged_key[i], merged_values[i] = part, value
         assert tuple(merged_key) == whole_key and merged_values == whole_values
+
+
+class _Compiled:
+    """A compiled kernel as the fast path sees one: its launcher records what it is handed."""
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, runs: list):
+        self.runs = runs
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Jit:
+    """A @triton.jit function as the launcher sees one, whose launch through Triton records its
+    arguments and returns a ``_Compiled``: the fast path without a GPU."""
+
+    def __init__(self, params):
+        self.params, self.runs, self.first = params, [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.first.append((grid, args, options))
+            return _Compiled(self.runs)
+        return launch
+
+
+def test_a_bound_launch_hands_the_kernel_what_a_plain_launch_does(monkeypatch):
+    """With a stand-in driver and kernel: for random arguments bound and dynamic at random
+    positions, ``BoundLaunch`` goes through Triton once per key, as ``launch`` does, and then
+    hands the compiled kernel's launcher the very values ``launch`` hands it, in order."""
+    from triton.runtime.jit import JITFunction
+
+    runtime = type("Runtime", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 77, runtime))
+    params = (_mixed if hasattr(_mixed, "params") else JITFunction(_mixed.fn, **_mixed.kwargs)).params
+    gen = torch.Generator().manual_seed(8)
+
+    def draw(i: int):
+        if i in (0, 3, 6):
+            dtype = (torch.int64, torch.int32)[int(torch.randint(0, 2, (1,), generator=gen))]
+            return torch.zeros(9, dtype=dtype)[int(torch.randint(0, 3, (1,), generator=gen)):]
+        return (1, 16, 32, 7, 1 << 33, 3)[int(torch.randint(0, 6, (1,), generator=gen))]
+
+    for _ in range(20):
+        plain, bound_fn = _Jit(params), _Jit(params)
+        dynamic = tuple(sorted(torch.randperm(8, generator=gen)[: int(torch.randint(1, 8, (1,), generator=gen))]
+                               .tolist()))
+        first = tuple(draw(i) for i in range(8))
+        bound = launcher.BoundLaunch(bound_fn, tuple(None if i in dynamic else a for i, a in enumerate(first)),
+                                     dynamic)
+        for _ in range(4):
+            args = tuple(draw(i) if i in dynamic else first[i] for i in range(8))
+            for _ in range(2):  # the first launch of a key goes through Triton, the second is direct
+                launcher.launch(plain, (3,), args, {"BLOCK": 16})
+                bound((3,), tuple(args[i] for i in dynamic), {"BLOCK": 16})
+        moved = [first[i] for i in (0, 3, 6) if i not in dynamic]
+        if moved:  # a bound tensor moved to new storage at an odd offset: keyed again, its new address used
+            moved[0].set_(torch.zeros(10, dtype=moved[0].dtype).untyped_storage(), 1, (8,), (1,))
+            args = tuple(draw(i) if i in dynamic else first[i] for i in range(8))
+            for _ in range(2):
+                launcher.launch(plain, (3,), args, {"BLOCK": 16})
+                bound((3,), tuple(args[i] for i in dynamic), {"BLOCK": 16})
+        assert len(plain.first) == len(bound_fn.first) and plain.first == bound_fn.first
+        assert len(plain.runs) == len(bound_fn.runs) >= 4 and plain.runs == bound_fn.runs
 
 
 @gpu
