@@ -47,8 +47,7 @@ def head_kernels() -> str:
     k = launcher._kernels.get(id(check_mod._check_kernel))
     if k is None:
         return ""
-    kept = (*k.compiled.items(), *k.bound.items())
-    out = {f"{c.n_regs} regs, {c.metadata.shared} B shared" for key, c in kept if key[2][0]}
+    out = {f"{c.n_regs} regs, {c.metadata.shared} B shared" for key, c in k.compiled.items() if key[2][0]}
     return "; ".join(sorted(out))
 
 

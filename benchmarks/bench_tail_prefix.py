@@ -3,7 +3,7 @@ the same rows: what re-reading every prefix slot's K/V costs against what the me
 gives for those reads (CUDA only).
 
     PYTHONPATH=src python3 benchmarks/bench_tail_prefix.py --json tail_prefix.json
-    PYTHONPATH=src python3 benchmarks/bench_tail_prefix.py --launch 128x4,256x8,256x4x64  # launch shapes
+    PYTHONPATH=src python3 benchmarks/bench_tail_prefix.py --launch 128x4,256x8,512x8   # launch shapes
     ncu --clock-control none --profile-from-start off --section MemoryWorkloadAnalysis \
         python3 benchmarks/bench_tail_prefix.py --ncu 64x4096                              # one TAIL, profiled
 
@@ -13,9 +13,8 @@ prefix; then TAIL alone (``check_forward`` with ``stamp=False`` on a batch that 
 the prefix verify) is captured in a CUDA graph and timed in replay, identity and partial.
 ``gather4`` is a bare Triton gather of the first 16 bytes of each prefix slot's row in the four
 sources (``+records`` adds its record's words), the same rows TAIL's fingerprints read. Every
-timed TAIL must report zero violations. ``--launch BxW[xR]`` times TAIL (identity and partial)
-with verify block B, W warps and, with R, at most R registers a thread (Triton's ``maxnreg``),
-with the registers each compiled TAIL variant got (private attributes, for this experiment only).
+timed TAIL must report zero violations. ``--launch`` overrides the TAIL kernel's verify block
+and warps (a private attribute, for this experiment only).
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ import triton
 import triton.language as tl
 
 import kvcanary.ops.check as check_mod
-import kvcanary.ops.launcher as launcher
 from kvcanary import Canary, CanaryConfig, ForwardBatch, Half, KVSource, LaunchPoint, PoolGeometry
 from kvcanary.bench.step_parts import uniform_batch, write_covered
 from kvcanary.bench.timing import graph_us
@@ -43,10 +41,9 @@ _init = check_mod._CheckLaunch.__init__
 
 def _launch_init(self, *args, **kwargs):
     _init(self, *args, **kwargs)
-    if LAUNCH and not self.constexprs["STAMP"]:
+    if LAUNCH and not self.constexprs["STAMP"] and self.constexprs["VERIFY_SOURCES"]:
         self.block_v = self.constexprs["BLOCK_V"] = LAUNCH["block_v"]
         self.num_warps = LAUNCH["warps"]
-        self.maxnreg = LAUNCH["maxnreg"]
 
 
 check_mod._CheckLaunch.__init__ = _launch_init
@@ -134,27 +131,15 @@ class Case:
         return int(self.canary.state.ring_counter[0])
 
 
-def tail_registers() -> str:
-    """Registers and spilled bytes of the TAIL variants compiled with the current ``LAUNCH``."""
-    k = launcher._kernels.get(id(check_mod._check_kernel))
-    if k is None:
-        return ""
-    out = {f"{c.n_regs} regs, {c.n_spills} B spilled" for key, c in (*k.compiled.items(), *k.bound.items())
-           if not key[2][0] and key[1] == LAUNCH["warps"] and key[3] == LAUNCH["maxnreg"]}
-    return "; ".join(sorted(out))
-
-
 def time_case(case: Case, launches: list[str]) -> dict:
     row = dict(shape=f"bs {case.bs} @ {case.ctx}", rows=case.bs * case.ctx * len(case.canary.sources))
     before = case.violations()
     row["identity"] = graph_us([case.tail(NONE)])
     row["partial"] = graph_us([case.tail(PARTIAL)])
     for spec in launches:
-        block, warps, *cap = (int(x) for x in spec.split("x"))
-        LAUNCH.update(block_v=block, warps=warps, maxnreg=cap[0] if cap else None)
-        row[f"identity {spec}"] = graph_us([case.tail(NONE)])
+        block, warps = (int(x) for x in spec.split("x"))
+        LAUNCH.update(block_v=block, warps=warps)
         row[f"partial {spec}"] = graph_us([case.tail(PARTIAL)])
-        row[f"regs {spec}"] = tail_registers()
         LAUNCH.clear()
     row["gather4"] = graph_us([case.gather(False)])
     row["gather4 +records"] = graph_us([case.gather(True)])
@@ -184,8 +169,7 @@ def profile_once(run) -> None:
 def report(results: list[dict], skip: tuple, width: int, json_path: str, also: str = "") -> None:
     """The table of ``results`` (µs columns, all but ``shape``, ``violations`` and ``skip``; the
     field ``also`` last, as text), then the JSON at ``json_path`` when given."""
-    keys = [k for k in results[0] if k not in ("shape", "violations", also, *skip)
-            and not isinstance(results[0][k], str)]
+    keys = [k for k in results[0] if k not in ("shape", "violations", also, *skip)]
     print(f"\n{'µs in graph replay':18s}" + "".join(f"{k:>{width}s}" for k in keys) + "  violations")
     for r in results:
         print(f"{r['shape']:18s}" + "".join(f"{r[k]:{width}.1f}" for k in keys) + f"  {r['violations']}"
@@ -198,8 +182,7 @@ def report(results: list[dict], skip: tuple, width: int, json_path: str, also: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x4096,64x4096,256x512,16x32768", help="requests x prefix tokens, ...")
-    ap.add_argument("--launch", default="", help="TAIL verify block x warps [x max registers] to time besides "
-                    "the defaults, ...")
+    ap.add_argument("--launch", default="", help="TAIL verify block x warps to time besides the defaults, ...")
     ap.add_argument("--ncu", default="", help="one shape: run its partial TAIL once between profiler start/stop")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -219,8 +202,6 @@ def main() -> None:
         del case
         torch.cuda.empty_cache()
     report(results, ("rows",), 18, args.json)
-    for key in (k for k in results[0] if k.startswith("regs ")):
-        print(f"{key}: {results[0][key]}")
 
 
 if __name__ == "__main__":

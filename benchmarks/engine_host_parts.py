@@ -3,9 +3,8 @@
 Runs the `bench_engine.py` workload (96 requests x 32 new tokens, partial real-K/V, cuda graphs)
 twice to warm every kernel variant and graph, then once more with timers around the canary's
 methods, the ops' entry points, their validation, each launch (`ops launch`: `kvcanary.ops.launcher`,
-the direct launch of a kept kernel; `ops bound launch`: its ``BoundLaunch``, the canary's own
-arguments keyed once; `triton launch`: Triton's own, `JITFunction.run`, which the first launch of
-each variant takes), eager calls only (a graph replay runs none of them on the
+the direct launch of a kept kernel; `triton launch`: Triton's own, `JITFunction.run`, which the
+first launch of each variant takes), eager calls only (a graph replay runs none of them on the
 host). Prints calls, median and mean µs and the total per part, largest first. The timers nest,
 so a part includes the parts it calls, and each adds ~1 µs of its own.
 
@@ -96,12 +95,9 @@ def main() -> None:
     wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, "arrays", "runtime.sweep.RunCache.arrays")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
-    launcher = sys.modules["kvcanary.ops.launcher"]
-    direct = timed(launcher.launch, lambda fn: f"ops launch {fn.fn.__name__}")
+    direct = timed(sys.modules["kvcanary.ops.launcher"].launch, lambda fn: f"ops launch {fn.fn.__name__}")
     for module in (chk, ld, sc, sys.modules["kvcanary.ops.verify"]):
         module.launch = direct
-    if hasattr(launcher, "BoundLaunch"):  # a tree with bound launches (the canary's own arguments keyed once)
-        wrap(launcher.BoundLaunch, "__call__", lambda bound: f"ops bound launch {bound.fn.fn.__name__}")
     r = be.run_once("partial", "cuda", prompts, 32, opts)
     print(f"run: {r['seconds']:.3f} s, {r['steps']} steps, canary {r['canary_seconds'] * 1e3:.1f} ms "
           f"({r['canary_seconds'] / r['seconds']:.1%}; the timers' own cost included)")

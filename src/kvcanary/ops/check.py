@@ -74,7 +74,7 @@ from kvcanary.ops.fingerprint import (
 )
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
-from kvcanary.ops.launcher import BoundLaunch
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, check_window, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
@@ -512,7 +512,6 @@ class _CheckLaunch:
             if fp_sources else 512
         self.cuda = state.device.type == "cuda"
         self.split, self.num_warps = split, HEAD_WARPS if stamp else 4
-        self.maxnreg: int | None = None  # no register cap (benchmarks set one to study occupancy)
         self.sync = ws.sync
         self.block_t = WRITE_BLOCK if stamp else RECORD_BLOCK  # HEAD: 256 tokens a program; TAIL: 128 fingerprints
         self.writers = stamp or bool(sources)
@@ -531,10 +530,6 @@ class _CheckLaunch:
             NBITS=num_bits(ws.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
             BLOCK_V=self.block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=self.block_t)
         self._variants: dict = {}
-        d = None  # an argument of the batch (``launch``); the rest are bound here, in the kernel's order
-        args = (self.records, d, d, d, d, d, d, d, d, d, d, *self.state_args, d, *self.source_args,
-                d, d, d, d, d, d, d, d, *self.geometry, d, d, d, d, self.max_spins, d)
-        self._bound = BoundLaunch(_check_kernel, args, tuple(i for i, a in enumerate(args) if a is None))
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag) -> None:
         n, bs = ids.shape[0], rpi.shape[0]
@@ -545,13 +540,14 @@ class _CheckLaunch:
         n_verify = bs * split
         grid = 1 + n_verify + (cdiv(n, self.block_t) if self.writers else 0)
         truth_t = truth if truth is not None else rtt
-        self._bound((grid,), (
-            rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed, truth_t,
-            truth_lens if truth_lens is not None else prefix_lens, ids, pos, loc,
-            held if held is not None else self.sync, n, bs, rows, max_ctx, rtt.stride(0),
-            lut.shape[0] if lut is not None else 0, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
-            held.shape[0] if held is not None else 0),
-            self._constexprs(lut is not None, truth is not None), num_warps=self.num_warps, maxnreg=self.maxnreg)
+        launch(_check_kernel, (grid,), (
+            self.records, rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed, truth_t,
+            truth_lens if truth_lens is not None else prefix_lens, ids, pos, loc, *self.state_args,
+            held if held is not None else self.sync, *self.source_args,
+            n, bs, rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
+            truth_t.shape[1], *self.geometry, tag, split, n_verify, grid, self.max_spins,
+            held.shape[0] if held is not None else 0), self._constexprs(lut is not None, truth is not None),
+            num_warps=self.num_warps)
 
     def _constexprs(self, has_lut: bool, has_truth: bool) -> dict:
         c = self._variants.get((has_lut, has_truth))

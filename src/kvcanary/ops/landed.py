@@ -56,7 +56,7 @@ from kvcanary.ops._common import (
 from kvcanary.ops._jit import append_violations, mix64, source_ptr
 from kvcanary.ops._ring import append_violations_torch, validate_ring
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta, source_words, validate_meta, validate_sources
-from kvcanary.ops.launcher import BoundLaunch, launch
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import _translate, _translate_torch
 from kvcanary.ops.state import DeviceState, check_state
 
@@ -268,9 +268,6 @@ class BoundMarks:
         self.words = source_words(sources, self.meta)
         self.constexprs = {lut: dict(HAS_LUT=lut, NUM_SOURCES=len(sources), BLOCK=BLOCK) for lut in (False, True)}
         self.index = state.device.index if state.device.type == "cuda" else -1
-        # dynamic: out_cache_loc, the table, n, the table's length
-        self._bound = BoundLaunch(_mark_kernel, (None, None, *self.words, self.meta, 0, state.num_slots, 0),
-                                  (0, 1, 3 + len(self.words), 5 + len(self.words)))
 
     def __call__(self, out_cache_loc: torch.Tensor, lut: torch.Tensor | None = None) -> bool:
         state, index = self.state, self.index
@@ -281,8 +278,9 @@ class BoundMarks:
                                     and lut.shape[0] >= 1):
             return False
         n = out_cache_loc.shape[0]
-        table, table_len = (lut, lut.shape[0]) if lut is not None else (out_cache_loc, 0)
-        self._bound((max(cdiv(n, BLOCK), 1),), (out_cache_loc, table, n, table_len), self.constexprs[lut is not None])
+        launch(_mark_kernel, (max(cdiv(n, BLOCK), 1),),
+               (out_cache_loc, lut if lut is not None else out_cache_loc, *self.words, self.meta, n, state.num_slots,
+                lut.shape[0] if lut is not None else 0), self.constexprs[lut is not None])
         return True
 
 

@@ -56,7 +56,7 @@ from kvcanary.ops.fingerprint import (
     validate_meta,
     validate_sources,
 )
-from kvcanary.ops.launcher import BoundLaunch
+from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, validate_plan_buffers
 from kvcanary.ops.state import DeviceState
 
@@ -236,10 +236,8 @@ class _VerifyLaunch:
         self.constexprs = dict(NUM_SOURCES=len(sources), BLOCK=block,
                                BLOCK_W=block_words(sources, mode) if sources else 4)
 
-        self._bound = BoundLaunch(_verify_kernel, (*self.before, 0, *self.after), (len(self.before),))
-
     def launch(self, tag: int) -> None:
-        self._bound(self.grid, (tag,), self.constexprs, num_warps=4)
+        launch(_verify_kernel, self.grid, (*self.before, tag, *self.after), self.constexprs, num_warps=4)
 
 
 class BoundVerify:
