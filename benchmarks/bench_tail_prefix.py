@@ -13,8 +13,8 @@ prefix; then TAIL alone (``check_forward`` with ``stamp=False`` on a batch that 
 the prefix verify) is captured in a CUDA graph and timed in replay, identity and partial.
 ``gather4`` is a bare Triton gather of the first 16 bytes of each prefix slot's row in the four
 sources (``+records`` adds its record's words), the same rows TAIL's fingerprints read. Every
-timed TAIL must report zero violations. ``--launch`` overrides the TAIL kernel's verify block
-and warps (a private attribute, for this experiment only).
+timed TAIL must report zero violations. ``--launch BxW`` times TAIL, identity and partial, with
+verify block B and W warps (private attributes, for this experiment only).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ _init = check_mod._CheckLaunch.__init__
 
 def _launch_init(self, *args, **kwargs):
     _init(self, *args, **kwargs)
-    if LAUNCH and not self.constexprs["STAMP"] and self.constexprs["VERIFY_SOURCES"]:
+    if LAUNCH and not self.constexprs["STAMP"]:
         self.block_v = self.constexprs["BLOCK_V"] = LAUNCH["block_v"]
         self.num_warps = LAUNCH["warps"]
 
@@ -139,6 +139,7 @@ def time_case(case: Case, launches: list[str]) -> dict:
     for spec in launches:
         block, warps = (int(x) for x in spec.split("x"))
         LAUNCH.update(block_v=block, warps=warps)
+        row[f"identity {spec}"] = graph_us([case.tail(NONE)])
         row[f"partial {spec}"] = graph_us([case.tail(PARTIAL)])
         LAUNCH.clear()
     row["gather4"] = graph_us([case.gather(False)])
