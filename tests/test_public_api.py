@@ -10,7 +10,7 @@ import kvcanary
 import kvcanary.ops
 
 ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
-              "LaunchPoint", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
+              "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
               "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "BoundCheck", "BoundMarks", "BoundVerify", "DeviceFlag", "DeviceState",
              "FingerprintMode", "KVSource", "Plan", "Workspace",

@@ -23,6 +23,7 @@ _EXPORTS = {
     "Incident": "kvcanary.runtime.incidents",
     "KVSource": "kvcanary.ops.fingerprint",
     "LaunchPoint": "kvcanary.core.record",
+    "Overlap": "kvcanary.config",
     "Policy": "kvcanary.config",
     "PoolGeometry": "kvcanary.runtime.canary",
     "PoolKind": "kvcanary.core.record",
@@ -42,6 +43,7 @@ __all__ = [
     "Incident",
     "KVSource",
     "LaunchPoint",
+    "Overlap",
     "Policy",
     "PoolGeometry",
     "PoolKind",
@@ -54,7 +56,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvcanary.config import CanaryConfig, Policy
+    from kvcanary.config import CanaryConfig, Overlap, Policy
     from kvcanary.core.record import Half, LaunchPoint, PoolKind, Reason
     from kvcanary.errors import CanaryViolation
     from kvcanary.ops.fingerprint import KVSource

@@ -14,6 +14,14 @@ from kvcanary.errors import ConfigError
 from kvcanary.ops.fingerprint import MAX_SOURCES, FingerprintMode
 
 
+class Overlap(enum.Enum):
+    """Where a canary on CUDA (fused kernel) runs what need not be ordered with the model."""
+
+    OFF = "off"  # HEAD and TAIL on the current stream, always
+    CAPTURED = "captured"  # the side stream inside a CUDA-graph capture; eager forwards on the current stream
+    ALWAYS = "always"  # the side stream for eager forwards too
+
+
 class Policy(enum.Enum):
     """What happens when a violation is reported."""
 
@@ -41,10 +49,14 @@ class CanaryConfig:
     ``fused``: HEAD and TAIL as one ``check_forward`` launch each (None: the Triton kernel on CUDA,
     the compiled CPU kernel on the CPU where numba serves; True on the CPU runs the Triton kernel
     there, which needs TRITON_INTERPRET=1 and is for tests; False: the ops one by one).
-    ``overlap``: on CUDA with the fused kernel, run what need not be ordered with the model on a
-    side stream (HEAD's checks and stamps; TAIL, from ``Canary.start_tail``), joined where the
-    policy needs it (``Canary.tail`` under recompute and inside a graph capture; else by the next
-    canary call); HEAD's write marks stay ahead of the forward. False: both on the current stream."""
+    ``overlap`` (an ``Overlap``; True means ALWAYS, False OFF): on CUDA with the fused kernel, run
+    what need not be ordered with the model on a side stream (HEAD's checks and stamps; TAIL, from
+    ``Canary.start_tail``), joined by ``Canary.tail``; HEAD's write marks stay ahead of the
+    forward. CAPTURED (the default) does so inside CUDA-graph captures only: an eager forward runs
+    HEAD and TAIL on the current stream, one launch each, where the side stream costs four more
+    host calls a forward (two forks, the marks' own launch, a join) to hide device time that an
+    eager step, whose host launches the model's kernels one by one, rarely has to hide. ALWAYS
+    forks eager forwards too (an eager engine whose forwards are device-bound); OFF never."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL
@@ -57,13 +69,17 @@ class CanaryConfig:
     max_bs: int = 1024
     max_tokens: int = 1 << 20
     fused: bool | None = None
-    overlap: bool = True
+    overlap: Overlap = Overlap.CAPTURED
     stats_period: int = 0
     truth: bool = True
     watchdog_window: int = 0
     incident_summary_steps: int = 100
 
     def __post_init__(self):
+        if type(self.overlap) is bool:  # the flag this option was before it had three values
+            object.__setattr__(self, "overlap", Overlap.ALWAYS if self.overlap else Overlap.OFF)
+        if not isinstance(self.overlap, Overlap):
+            raise ConfigError(f"CanaryConfig.overlap must be an Overlap (or a bool), got {self.overlap!r}")
         if not isinstance(self.policy, Policy):
             raise ConfigError(f"CanaryConfig.policy must be a Policy, got {self.policy!r}")
         if not isinstance(self.real_kv, FingerprintMode):

@@ -1,14 +1,15 @@
 """HEAD's checks and TAIL on the canary's side stream (``CanaryConfig.overlap``) give exactly the
 verdicts, records and side words of the canary on one stream, eagerly and inside replayed graphs,
-whichever stream runs ahead; the reference engine's fault campaign gives the same verdicts. Runs
-only where a GPU is present."""
+whichever stream runs ahead, with the side stream for every forward (ALWAYS) or for captured
+ones only (CAPTURED, which forks nothing eagerly); the reference engine's fault campaign gives
+the same verdicts. Runs only where a GPU is present."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcanary.config import CanaryConfig, Policy
+from kvcanary.config import CanaryConfig, Overlap, Policy
 from kvcanary.core.record import CHAIN, Half, Reason, record_words
 from kvcanary.engine.config import ModelConfig
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
@@ -29,7 +30,7 @@ SLEEP = 200_000  # GPU cycles (~0.1 ms): holds one stream back so the other runs
 class Pool:
     """K and V of ``LAYERS`` layers over the slots, random bf16, and a canary covering all four."""
 
-    def __init__(self, kv: list[torch.Tensor], overlap: bool, mode: FingerprintMode = FingerprintMode.PARTIAL,
+    def __init__(self, kv: list[torch.Tensor], overlap: Overlap, mode: FingerprintMode = FingerprintMode.PARTIAL,
                  max_bs: int = 4):
         self.kv = [t.clone() for t in kv]
         sources = [KVSource.from_buffer(self.kv[2 * layer + h], half=half, layer=layer)
@@ -37,7 +38,7 @@ class Pool:
         config = CanaryConfig(policy=Policy.LOG, real_kv=mode, max_bs=max_bs, max_tokens=64, sweep_interval=0,
                               overlap=overlap, layers=tuple(range(LAYERS)))
         self.canary = Canary(config, PoolGeometry(NUM_SLOTS, ROWS, CTX, "cuda"), sources=sources)
-        assert (self.canary.side is not None) == overlap
+        assert (self.canary.side is not None) == (overlap is not Overlap.OFF)
 
     def write(self, batch: ForwardBatch, layer: int, values: list[torch.Tensor], skip: int | None = None) -> None:
         """The forward's K/V writes of one layer (``skip``: the token whose write is dropped)."""
@@ -61,6 +62,13 @@ def _batch(tokens: torch.Tensor, table: torch.Tensor, prefix: int, extend: int) 
              req_to_token=table, input_ids=tokens[row_of, pos], positions=pos, out_cache_loc=table[row_of, pos].long(),
              truth_ids=tokens[1:4, :n].reshape(-1).contiguous(), truth_offsets=torch.arange(0, 3 * n + 1, n))
     return ForwardBatch(**{k: v.to("cuda") for k, v in b.items()})
+
+
+def _count_forks(c: Canary) -> list[bool]:
+    """Each fork of ``c``'s side stream from now on, as whether it was inside a capture."""
+    forks, fork = [], c._fork
+    c._fork = lambda: (forks.append(torch.cuda.is_current_stream_capturing()), fork())[1]
+    return forks
 
 
 def _rows(reports) -> list[tuple]:
@@ -110,13 +118,18 @@ def test_the_side_stream_gives_the_verdicts_records_and_side_words_of_one_stream
     tokens = torch.randint(1, 50_000, (ROWS, CTX), generator=gen)
     kv = _kv(gen)
     runs = {}
-    for overlap in (True, False):
+    for overlap in Overlap:
         pool = Pool(kv, overlap)
-        rows = _rows(_eager_run(pool, torch.Generator().manual_seed(32), tokens, late if overlap else None))
+        forks = _count_forks(pool.canary)
+        rows = _rows(_eager_run(pool, torch.Generator().manual_seed(32), tokens,
+                                late if overlap is not Overlap.OFF else None))
         runs[overlap] = (rows, pool.canary.state.records.cpu(), pool.canary.state.source_tags.cpu())
-    rows, records, tags = runs[True]
-    assert rows == runs[False][0]
-    assert torch.equal(records, runs[False][1]) and torch.equal(tags, runs[False][2])
+        # eagerly only ALWAYS forks: HEAD and TAIL of each of the 7 forwards
+        assert len(forks) == (14 if overlap is Overlap.ALWAYS else 0), overlap
+    rows, records, tags = runs[Overlap.OFF]
+    for overlap in (Overlap.ALWAYS, Overlap.CAPTURED):
+        assert runs[overlap][0] == rows, overlap
+        assert torch.equal(runs[overlap][1], records) and torch.equal(runs[overlap][2], tags), overlap
     first = {}
     for step, _slot, reasons, point in rows:
         for r in Reason:
@@ -131,7 +144,7 @@ def test_the_side_stream_gives_the_verdicts_records_and_side_words_of_one_stream
 def test_the_clean_twin_reports_nothing_on_either_stream():
     gen = torch.Generator().manual_seed(33)
     tokens = torch.randint(1, 50_000, (ROWS, CTX), generator=gen)
-    pool = Pool(_kv(gen), True)
+    pool = Pool(_kv(gen), Overlap.ALWAYS)
     c = pool.canary
     table = (torch.arange(ROWS * CTX, dtype=torch.int32) + 1).view(ROWS, CTX)
     reports = []
@@ -181,14 +194,18 @@ def test_replayed_graphs_give_the_verdicts_of_one_stream():
     values = [torch.randn(3, 2, 16, generator=gen).to("cuda", torch.bfloat16) for _ in range(2 * LAYERS)]
     fill_values = [torch.randn(24, 2, 16, generator=gen).to("cuda", torch.bfloat16) for _ in range(2 * LAYERS)]
     out = {}
-    for overlap in (True, False):
+    for overlap in Overlap:
         pool = Pool(kv, overlap)
         c = pool.canary
+        forks = _count_forks(c)
         with c.forward(fill):
             pool.write(fill, 0, fill_values)
             pool.write(fill, 1, fill_values)
         c.end_step(0)
         graph = _graph(pool, step_b, values)
+        # the fill and the eager step before the capture fork under ALWAYS only; the capture forks twice
+        eager = 4 if overlap is Overlap.ALWAYS else 0
+        assert forks == [False] * eager + ([True, True] if overlap is not Overlap.OFF else []), overlap
         reports = []
         for step in range(2, 8):
             if step == 4:
@@ -200,13 +217,15 @@ def test_replayed_graphs_give_the_verdicts_of_one_stream():
             reports.append(c.end_step(step))
         reports.append(c.flush(8))
         out[overlap] = (_rows(reports), c.state.records.cpu(), c.state.source_tags.cpu())
-    assert out[True][0] == out[False][0]
-    assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][2], out[False][2])
-    steps = {(step, point) for step, _, _, point in out[True][0]}
+    for overlap in (Overlap.ALWAYS, Overlap.CAPTURED):
+        assert out[overlap][0] == out[Overlap.OFF][0], overlap
+        assert torch.equal(out[overlap][1], out[Overlap.OFF][1]), overlap
+        assert torch.equal(out[overlap][2], out[Overlap.OFF][2]), overlap
+    steps = {(step, point) for step, _, _, point in out[Overlap.OFF][0]}
     assert (4, "HEAD") in steps and (6, "TAIL") in steps and not any(s < 4 for s, _ in steps)
 
 
-def _setup(overlap: bool) -> RunSetup:
+def _setup(overlap: Overlap) -> RunSetup:
     workload = builtin_workload(WorkloadConfig(num_requests=48, seed=0))
     config = CanaryConfig(sweep_interval=4, overlap=overlap)
     return RunSetup(ModelConfig(seed=0), engine_config_for(workload, device="cuda"), config, workload)
@@ -214,13 +233,13 @@ def _setup(overlap: bool) -> RunSetup:
 
 def test_the_fault_campaign_gives_the_same_verdicts_on_the_side_stream():
     verdicts = {}
-    for overlap in (True, False):
+    for overlap in Overlap:
         result = run_campaign(_setup(overlap))
         assert result.clean_violations == 0
         verdicts[overlap] = [(v.fault, v.injected, v.detected, v.first_detection, v.false_positives)
                              for v in result.verdicts]
-    assert verdicts[True] == verdicts[False]
-    assert all(d for _, injected, d, _, _ in verdicts[True] if injected)
+    assert verdicts[Overlap.ALWAYS] == verdicts[Overlap.OFF] == verdicts[Overlap.CAPTURED]
+    assert all(d for _, injected, d, _, _ in verdicts[Overlap.OFF] if injected)
 
 
 def test_the_reference_engine_starts_tail_inside_its_model_and_stays_clean():

@@ -111,3 +111,14 @@ def test_no_step_compiles_after_construction():
     c.head(appended)
     c.tail(appended)
     assert _compiled() == n
+    # a captured forward takes the side stream (Overlap.CAPTURED): its HEAD, marks and TAIL variants
+    assert c.side is not None and not c.side_eager
+    c.prepare_head(appended)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.launch_head(appended)
+        c.start_tail(appended)
+        c.tail(appended)
+    graph.replay()
+    c.end_step(0)
+    assert _compiled() == n

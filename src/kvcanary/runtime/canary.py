@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcanary.config import CanaryConfig, Policy
+from kvcanary.config import CanaryConfig, Overlap, Policy
 from kvcanary.core.record import (
     RECORD_BYTES,
     ROW_BYTES,
@@ -177,8 +177,11 @@ class Canary:
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
-        # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream
-        self.side = torch.cuda.Stream(device=dev) if config.overlap and self.fused and dev.type == "cuda" else None
+        # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream,
+        # for captured forwards only (CAPTURED) or for eager ones too (``side_eager``: ALWAYS)
+        on_side = config.overlap is not Overlap.OFF and self.fused and dev.type == "cuda"
+        self.side = torch.cuda.Stream(device=dev) if on_side else None
+        self.side_eager = config.overlap is Overlap.ALWAYS
         if self.side is not None:
             self._device_index = self.side.device_index
             self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
@@ -201,27 +204,37 @@ class Canary:
         elif warmup and self.backend is Backend.NUMBA:  # compiled once per machine, then loaded from disk
             self.warmup_seconds = compile_cpu_kernels()
 
-    def _bind_checks(self) -> dict[bool, BoundCheck] | None:
-        """HEAD's (True) and TAIL's (False) ``BoundCheck``; None where one refuses the canary's own
-        arguments (every call then takes ``check_forward``, which raises the error)."""
-        mode = self.config.real_kv
-        # with a side stream HEAD's call marks no source: mark_writes does, on the model's stream
-        head_sources = () if self.side is not None else self.sources
+    def _bind_checks(self) -> dict[str, BoundCheck] | None:
+        """The ``BoundCheck`` of each launch: "head" (HEAD on the current stream, marking the write
+        targets in the sources), "tail", and with a side stream "side_head" (HEAD on the side
+        stream marks no source: ``mark_writes`` does, on the model's stream); None where one refuses
+        the canary's own arguments (every call then takes ``check_forward``, which raises the error)."""
+        def bind(stamp: bool, sources) -> BoundCheck:
+            return BoundCheck(self.state, stamp=stamp, sources=sources, mode=self.config.real_kv, meta=self.meta,
+                              window=self.window, marks=self.marks if stamp else None, truth=self.truth,
+                              truth_lens=self.truth_lens)
+
         try:
-            return {stamp: BoundCheck(self.state, stamp=stamp, sources=head_sources if stamp else self.sources,
-                                      mode=mode, meta=self.meta, window=self.window,
-                                      marks=self.marks if stamp else None, truth=self.truth,
-                                      truth_lens=self.truth_lens)
-                    for stamp in (True, False)}
+            bound = {"tail": bind(False, self.sources)}
+            if self.side is not None:
+                bound["side_head"] = bind(True, ())
+            if self.side is None or not self.side_eager:
+                bound["head"] = bind(True, self.sources)
+            return bound
         except KVCanaryError:
             return None
 
-    def _checked(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, held=None) -> bool:
-        """HEAD or TAIL of ``b`` through the bound launch; False (nothing launched): call ``check_forward``."""
+    def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None) -> bool:
+        """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``); False (nothing
+        launched): call ``check_forward``."""
         bound = self._bound
-        return bound is not None and bound[stamp](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token,
-                                                  b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
-                                                  lut=self._lut(b), held=held)
+        return bound is not None and bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token,
+                                                   b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
+                                                   lut=self._lut(b), held=held)
+
+    def _on_side(self) -> bool:
+        """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``)."""
+        return self.side is not None and (self.side_eager or torch.cuda.is_current_stream_capturing())
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile; runs on
@@ -346,13 +359,15 @@ class Canary:
         if truth is not None and b.truth_starts is not None and self.truth.is_cuda:
             self.join()  # the last TAIL read the table
             self._append_truth(b)
-        if self.side is not None:
+        if self._on_side():
             self._launch_head_overlapped(b, tag, truth, truth_lens)
             self.totals.seconds += time.perf_counter() - t0
             return
         if self.fused:
+            self.join()  # an eager HEAD after a side one (ALWAYS, or an unjoined capture): stream-ordered again
+            self._tail_started = False
             held = self._held_now()
-            if not self._checked(b, tag, True, truth is not None, held):
+            if not self._checked(b, tag, "head", truth is not None, held):
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
@@ -388,7 +403,7 @@ class Canary:
         self._tail_started = False  # a forward that raised never reached its tail
         lut, held = self._lut(b), self._held_now()
         with torch.cuda.stream(self._fork()):  # checks every input before it launches anything
-            if not self._checked(b, tag, True, truth is not None, held):
+            if not self._checked(b, tag, "side_head", truth is not None, held):
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
@@ -404,8 +419,9 @@ class Canary:
         """Start TAIL before the forward ends (``CanaryConfig.overlap``): call it once the forward
         has written and read the K/V of every covered layer (after the last covered layer's
         attention); TAIL then runs on the side stream beside the rest of the forward, and ``tail``
-        only joins it. Capturable. Does nothing without a side stream (``tail`` runs TAIL)."""
-        if not self.config.enabled or self.side is None or self._tail_started:
+        only joins it. Capturable. Does nothing where the forward has no side stream (``overlap``
+        OFF, or an eager forward under CAPTURED): ``tail`` runs TAIL on the current stream."""
+        if not self.config.enabled or self._tail_started or not self._on_side():
             return
         t0 = time.perf_counter()
         self._fork_tail(b)
@@ -419,7 +435,7 @@ class Canary:
     def _launch_tail(self, b: ForwardBatch) -> None:
         bs = b.batch_size
         tag, truth = self.tag(LaunchPoint.TAIL), self._use_truth(b)
-        if not self._checked(b, tag, False, truth):
+        if not self._checked(b, tag, "tail", truth):
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False,
@@ -434,9 +450,9 @@ class Canary:
     def tail(self, b: ForwardBatch) -> None:
         """Verify the prefix again (stray writes during the forward, fingerprints), check every
         write target was written (its HEAD mark gone), then record the fingerprints of the slots
-        just written. Capturable on the fused (CUDA) path. With ``overlap`` it starts TAIL on the
-        side stream unless ``start_tail`` did, then joins the side stream: after ``tail`` the
-        current stream is ordered after every check of the forward."""
+        just written. Capturable on the fused (CUDA) path. Where the forward has the side stream
+        (``overlap``: inside a capture, or ALWAYS) it starts TAIL there unless ``start_tail`` did,
+        then joins it: after ``tail`` the current stream is ordered after every check of the forward."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
@@ -445,7 +461,7 @@ class Canary:
             self._replays = max(self._replays - 1, 0)
             self.totals.seconds += time.perf_counter() - t0
             return
-        if self.side is not None:
+        if self._tail_started or self._on_side():
             if not self._tail_started:
                 self._fork_tail(b)
             self._tail_started = False

@@ -7,7 +7,8 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 
 | launch                         | variants                                                  |
 |--------------------------------|-----------------------------------------------------------|
-| HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table |
+| HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table; |
+|                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
 | the truth scatter (truth on)   | each block size its grid picks (128, 256, 512, 1024), whole histories and appends |
 | SWEEP (the plan's verify)      | one                                                       |
@@ -69,11 +70,19 @@ def warm_up(canary: Canary) -> float:
     state, plan = canary.state, canary.sweep_plan
     saved = [(t, t.clone()) for t in (state.stats, state.ring_counter, state.error, plan.count, plan.enable)]
     seconds = canary.totals.seconds
-    for truth in sorted({False, bool(canary.config.truth)}):
-        for bs in _batch_sizes(canary):
-            b = _empty_batch(canary, bs, truth)
-            canary.launch_head(b)
-            canary.tail(b)
+    # a captured forward takes the side stream (HEAD without marks, then the marks' own launch), an
+    # eager one under Overlap.CAPTURED the current stream (HEAD marking): warm both where both are taken
+    placements = sorted({canary.side_eager, canary.side is not None})
+    side_eager = canary.side_eager
+    try:
+        for canary.side_eager in placements:
+            for truth in sorted({False, bool(canary.config.truth)}):
+                for bs in _batch_sizes(canary):
+                    b = _empty_batch(canary, bs, truth)
+                    canary.launch_head(b)
+                    canary.tail(b)
+    finally:
+        canary.side_eager = side_eager
     if canary.config.truth:
         for n in SCATTER_TOKENS:
             flat = torch.zeros(n, dtype=torch.int64, device=dev)
