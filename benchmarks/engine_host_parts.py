@@ -92,7 +92,7 @@ def main() -> None:
     for n in ("snapshot", "collect", "host_launches", "_copy_cuda", "_read"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
     wrap(chk._CheckLaunch, "launch", "ops.check._CheckLaunch.launch")
-    wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, "arrays", "runtime.sweep.RunCache.arrays")
+    wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, "entries", "runtime.sweep.RunCache.entries")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
     direct = timed(sys.modules["kvcanary.ops.launcher"].launch, lambda fn: f"ops launch {fn.fn.__name__}")

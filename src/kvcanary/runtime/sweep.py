@@ -27,35 +27,22 @@ class SweepRun:
 def sweep_entries(runs: Sequence[SweepRun], cursor: int, max_entries: int, cache: RunCache | None = None):
     """Host arrays (slot, pred, position, token), int64, of at most ``max_entries`` entries
     starting at entry ``cursor`` (mod the total, wrapping); returns them and the next cursor.
-    Runs on the device cost one copy to the host in all (not one per run). With ``cache``, a
-    run's slot and token arrays are kept between sweeps (``RunCache``)."""
+    Runs on the device cost one copy to the host in all (not one per run). With ``cache``, each
+    run's entries are kept between sweeps (``RunCache``): a sweep over runs it has seen is one
+    concatenation."""
     runs = [r for r in runs if r.slots.numel()]
-    lens = np.fromiter((r.slots.numel() for r in runs), dtype=np.int64, count=len(runs))
-    total = int(lens.sum())
-    if total == 0 or max_entries <= 0:
+    if not runs or max_entries <= 0:
         empty = np.zeros(0, dtype=np.int64)
         return (empty, empty, empty, empty), 0
-    if cache is not None:
-        slot, tok = cache.arrays(runs, total)
-    else:
-        slot, tok = _host_slots([r.slots for r in runs]), _tokens(runs, lens.tolist(), total)
-    heads = np.cumsum(lens) - lens
-    pred = np.empty_like(slot)
-    pred[1:] = slot[:-1]
-    pred[heads] = [r.prev_slot for r in runs]  # a run's first slot follows the run's predecessor
-    starts = np.fromiter((r.start_position for r in runs), dtype=np.int64, count=len(runs))
-    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - heads, lens)
+    blocks = (cache if cache is not None else RunCache()).entries(runs)
+    entries = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+    total = entries.shape[1]
     start = cursor % total
     take = min(max_entries, total)
-    return tuple(_window(a, start, take) for a in (slot, pred, pos, tok)), int((start + take) % total)
-
-
-def _window(a: np.ndarray, start: int, take: int) -> np.ndarray:
-    """``take`` elements of ``a`` from ``start`` on, wrapping at its end (``take <= len(a)``)."""
     end = start + take
-    if end <= a.shape[0]:
-        return a[start:end]
-    return np.concatenate((a[start:], a[: end - a.shape[0]]))
+    window = entries[:, start:end] if end <= total else np.concatenate((entries[:, start:], entries[:, : end - total]),
+                                                                        axis=1)
+    return (window[0], window[1], window[2], window[3]), int(end % total)
 
 
 def _tokens(runs: list[SweepRun], lens: list[int], total: int) -> np.ndarray:
@@ -71,48 +58,85 @@ def _tokens(runs: list[SweepRun], lens: list[int], total: int) -> np.ndarray:
 
 
 class RunCache:
-    """Each run's slots and tokens as int64 host arrays, kept from one sweep to the next while
-    the run holds the same slot tensor, unchanged (same address, no write since: its version
-    counter) and the same tokens object of an immutable kind (a tuple, or None). A list of
-    tokens may change in place, so it is converted at every sweep. A prefix cache whose nodes
-    keep their slots and token tuples converts only its new nodes. Runs not seen in a sweep are
-    forgotten."""
+    """Each run's entries, an int64 [4, n] host array (slot, pred, position, token), kept from one
+    sweep to the next while the run holds the same slot tensor, unchanged (same address, no write
+    since: its version counter), the same tokens object of an immutable kind (a tuple, or None),
+    the same first position and predecessor. A list of tokens may change in place, so it is
+    converted at every sweep. A prefix cache whose nodes keep their slots and token tuples
+    converts only its new nodes, all of them at once. Runs not seen in a sweep are forgotten."""
 
     def __init__(self):
         self._kept: dict[int, tuple] = {}
 
-    def arrays(self, runs: list[SweepRun], total: int) -> tuple[np.ndarray, np.ndarray]:
+    def entries(self, runs: list[SweepRun]) -> list[np.ndarray]:
+        """The entries of each of ``runs`` (none empty), in order."""
         kept, now = self._kept, {}
-        parts: list = [None] * len(runs)
+        out: list = [None] * len(runs)
         missed = []
         for i, r in enumerate(runs):
             s, toks = r.slots, r.token_ids
             hit = kept.get(id(s))
             if (hit is not None and hit[0] is s and hit[1] == s._version and hit[2] == s.data_ptr()
-                    and hit[3] is toks and (toks is None or type(toks) is tuple)):
-                parts[i] = hit[4]
+                    and hit[3] is toks and (toks is None or type(toks) is tuple)
+                    and hit[4] == r.start_position and hit[5] == r.prev_slot):
+                out[i] = hit[6]
                 now[id(s)] = hit
             else:
                 missed.append(i)
         if missed:
-            lens = [runs[i].slots.numel() for i in missed]
-            slots = _host_slots([runs[i].slots for i in missed])
-            try:
-                toks = _tokens([runs[i] for i in missed], lens, sum(lens))
-            except ValueError:  # name the totals of every run, as without a cache
-                _tokens(runs, [r.slots.numel() for r in runs], total)
-                raise
+            new = [runs[i] for i in missed]
+            lens = [r.slots.numel() for r in new]
+            block = _entries(new, lens, runs)
             at = 0
-            for i, n in zip(missed, lens, strict=True):
-                r = runs[i]
-                arrays = (slots[at: at + n], toks[at: at + n])
+            for i, r, n in zip(missed, new, lens, strict=True):
+                out[i] = block[:, at: at + n]
                 at += n
-                parts[i] = arrays
-                now[id(r.slots)] = (r.slots, r.slots._version, r.slots.data_ptr(), r.token_ids, arrays)
+                now[id(r.slots)] = (r.slots, r.slots._version, r.slots.data_ptr(), r.token_ids, r.start_position,
+                                    r.prev_slot, out[i])
         self._kept = now
-        slot = np.concatenate([a[0] for a in parts])
-        tok = np.concatenate([a[1] for a in parts])
-        return slot, tok
+        return out
+
+
+def _entries(runs: list[SweepRun], lens: list[int], every: list[SweepRun]) -> np.ndarray:
+    """The entries of ``runs`` (``lens`` slots each) as one int64 [4, total] array; a token count
+    that does not match names the totals of ``every`` run of the sweep. Runs on the CPU are
+    walked as Python lists into one array: a sweep converts a few new runs between a model's
+    forwards, where each numpy or torch call costs several µs more than in a loop."""
+    if all(not r.slots.is_cuda for r in runs):
+        return _entries_listed(runs, lens, every)
+    total = sum(lens)
+    block = np.empty((4, total), dtype=np.int64)
+    block[0] = slot = _host_slots([r.slots for r in runs])
+    try:
+        block[3] = _tokens(runs, lens, total)
+    except ValueError:
+        _tokens(every, [r.slots.numel() for r in every], sum(r.slots.numel() for r in every))
+        raise
+    n = np.asarray(lens, dtype=np.int64)
+    heads = np.cumsum(n) - n
+    block[1, 1:] = slot[:-1]
+    block[1, heads] = [r.prev_slot for r in runs]  # a run's first slot follows the run's predecessor
+    starts = np.asarray([r.start_position for r in runs], dtype=np.int64)
+    block[2] = np.arange(total, dtype=np.int64) + np.repeat(starts - heads, n)
+    return block
+
+
+def _entries_listed(runs: list[SweepRun], lens: list[int], every: list[SweepRun]) -> np.ndarray:
+    slot, pred, pos, tok = [], [], [], []
+    for r, n in zip(runs, lens, strict=True):
+        s = r.slots.reshape(-1).tolist()
+        slot += s
+        pred.append(r.prev_slot)
+        pred += s[:-1]
+        pos += range(r.start_position, r.start_position + n)
+        if r.token_ids is None:
+            tok += [-1] * n
+        elif len(r.token_ids) == n:
+            tok += r.token_ids
+        else:  # name the sweep's totals, as the arrays' check does
+            _tokens(every, [x.slots.numel() for x in every], sum(x.slots.numel() for x in every))
+            raise ValueError(f"a sweep run holds {n} slots but {len(r.token_ids)} token ids")
+    return np.array((slot, pred, pos, tok), dtype=np.int64)
 
 
 def _host_slots(slots: list[torch.Tensor]) -> np.ndarray:
