@@ -166,12 +166,16 @@ class Canary:
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
         self._sweep_cursor = 0
         self._runs = RunCache()  # the sweeps' runs as host arrays, kept while they are unchanged
-        # CUDA: pinned rows a sweep's entries are copied from, and the event of their last copies;
-        # made here, not at the first sweep, which would pay the pinned allocation (about a ms)
+        # CUDA: pinned words a sweep's entries are copied from, packed (``_staged``), the device words
+        # they land in before they are spread into the plan's columns, and the event of their last
+        # copy; made here, not at the first sweep, which would pay the pinned allocation (about a ms)
         on_cuda = dev.type == "cuda"
-        self._staging = torch.empty((6, self.sweep_plan.capacity), dtype=torch.int32, pin_memory=True) \
-            if on_cuda else None
+        cap = self.sweep_plan.capacity
+        self._staging = torch.empty(5 * cap, dtype=torch.int32, pin_memory=True) if on_cuda else None
+        self._landing = torch.empty(5 * cap, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
+        self._held_words: tuple[torch.Tensor, torch.Tensor] | None = None  # hold's pinned and device words
+        self._held_read = torch.cuda.Event() if on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -501,9 +505,28 @@ class Canary:
 
     def hold(self, slots: torch.Tensor) -> None:
         """Slots (int64, this pool's numbering) the prefix cache holds that no request reads: the
-        next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0)."""
-        if self.config.enabled:
-            self.held = slots.to(self.state.device, torch.int64).contiguous()
+        next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0). On
+        CUDA, host slots reach the device through pinned words without a host sync (a plain copy
+        from pageable memory would wait for the device to drain its stream)."""
+        if not self.config.enabled:
+            return
+        dev = self.state.device
+        if dev.type != "cuda" or slots.is_cuda:
+            self.held = slots.to(dev, torch.int64).contiguous()
+            return
+        self.join()  # a side HEAD may still read the device words this copy rewrites
+        n = slots.numel()
+        if self._held_words is None or self._held_words[0].numel() < n:  # grown, never shrunk
+            size = max(n, 1024, 2 * self._held_words[0].numel() if self._held_words is not None else 0)
+            self._held_read.synchronize()  # the old pinned words are freed: their last copy is done
+            self._held_words = (torch.empty(size, dtype=torch.int64, pin_memory=True),
+                                torch.empty(size, dtype=torch.int64, device=dev))
+        host, device = self._held_words[0][:n], self._held_words[1][:n]
+        self._held_read.synchronize()  # the last hold's copy has read the pinned words: long done
+        host.copy_(slots.reshape(-1))
+        device.copy_(host, non_blocking=True)
+        self._held_read.record(torch.cuda.current_stream(dev))
+        self.held = device
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -537,12 +560,19 @@ class Canary:
         on_cuda = p.slot.device.type == "cuda"
         if n:
             block = self._sweep_block
-            if block is not None:  # the six columns (entry = slot, row = 0: no request) in one copy
-                block[:, :n].copy_(self._staged((slot, pred, pos, tok)), non_blocking=True)
+            if block is not None:
+                # five columns (entry = slot; row stays 0, no request: nothing else writes this plan's) in
+                # one contiguous copy, then spread on the device: a copy of the [5, n] slice of the
+                # columns straight from the host is strided, which torch stages through host and device
+                # temporaries (36 µs of host and 48 of device time against 4 and 7, H200, BENCHMARKS.md)
+                landing = self._landing[: 5 * n]
+                landing.copy_(self._staged((slot, pred, pos, tok)), non_blocking=True)
+                block[:5, :n].copy_(landing.view(5, n))
             else:
-                cols = np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok)]).astype(np.int32)
-                cols = self._staged(cols)[:4] if on_cuda else torch.from_numpy(cols)
-                for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), (*cols, cols[0]), strict=True):
+                cols = (self._staged((slot, pred, pos, tok)).view(5, n) if on_cuda else
+                        torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (slot, pred, pos, tok,
+                                                                                          slot)]).astype(np.int32)))
+                for buf, vals in zip((p.slot, p.pred, p.position, p.token, p.entry), cols, strict=True):
                     buf[:n].copy_(vals, non_blocking=on_cuda)
                 p.row[:n].zero_()  # idle slots: no request
         p.count.fill_(n)
@@ -557,19 +587,18 @@ class Canary:
         return n
 
     def _staged(self, cols) -> torch.Tensor:
-        """The sweep plan's six entry columns in pinned host rows (``cols``: slot, pred, position,
-        token, each n integers, as int32; then entry = slot and row = 0), so the plan's copies are
-        queued without blocking the host; the last sweep's copies have read the rows before they
-        are rewritten."""
+        """The sweep plan's first five entry columns packed in pinned host words, int32[5n] (``cols``:
+        slot, pred, position, token, each n integers; then entry = slot), so the plan's copy is
+        queued without blocking the host; the last sweep's copy has read the words before they are
+        rewritten."""
         self._staging_read.synchronize()  # a sweep or more old: long done
         n = len(cols[0])
-        rows = self._staging[:, :n]
-        host = rows.numpy()
+        words = self._staging[: 5 * n]
+        host = words.numpy().reshape(5, n)
         for i in range(4):
             host[i] = cols[i]  # cast to int32 as they are written
         host[4] = host[0]
-        host[5] = 0
-        return rows
+        return words
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte

@@ -1,0 +1,102 @@
+"""A CUDA canary's sweep (``Canary.sweep``): the entries land in the sweep plan's columns exactly,
+whatever an earlier, longer sweep left behind them; a clean sweep reports nothing and a record
+damaged since its stamp is reported by the sweep, at SWEEP, naming the slot. Held slots
+(``Canary.hold``) reach the HEAD after each hold, small or large. Runs only where a GPU is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary.config import CanaryConfig
+from kvcanary.core.record import FINGERPRINT, Half, Reason, record_words
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.canary import Canary, PoolGeometry
+from kvcanary.runtime.sweep import SweepRun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NUM_SLOTS, ROWS, CTX = 400, 4, 96
+
+
+def _filled(seed: int) -> tuple[Canary, list[list[int]], list[list[int]]]:
+    """A canary whose rows 1..3 were prefilled (random slots and tokens): their slots and tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(NUM_SLOTS, 2, 16, generator=gen).to("cuda", torch.bfloat16)
+    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, max_bs=4, max_tokens=512, sweep_interval=0)
+    c = Canary(config, PoolGeometry(NUM_SLOTS, ROWS, CTX, "cuda"), sources=[KVSource.from_buffer(kv, half=Half.K)])
+    lens = torch.randint(20, CTX, (3,), generator=gen).tolist()
+    perm = (torch.randperm(NUM_SLOTS - 1, generator=gen) + 1).tolist()
+    slots, tokens, at = [], [], 0
+    for n in lens:
+        slots.append(perm[at: at + n])
+        tokens.append(torch.randint(0, 30_000, (n,), generator=gen).tolist())
+        at += n
+    table = torch.zeros(ROWS, CTX, dtype=torch.int32)
+    for r, s in enumerate(slots, start=1):
+        table[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")
+    b = ForwardBatch(i64([1, 2, 3]), i64([0, 0, 0]), i64(lens), table.cuda(), i64(sum(tokens, [])),
+                     i64([p for n in lens for p in range(n)]), i64(sum(slots, [])))
+    with c.forward(b):
+        kv[b.out_cache_loc] = torch.randn(b.out_cache_loc.numel(), 2, 16, generator=gen).to("cuda", torch.bfloat16)
+    c.end_step(0)
+    return c, slots, tokens
+
+
+def _runs(slots, tokens, keep: int) -> list[SweepRun]:
+    """The rows' slots from position ``keep`` on, as runs (their predecessor: the slot before)."""
+    return [SweepRun(torch.tensor(s[keep:], dtype=torch.int64), tuple(t[keep:]), keep, s[keep - 1] if keep else -1)
+            for s, t in zip(slots, tokens, strict=True)]
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_sweep_lands_its_entries_exactly_and_reports_only_damage(seed):
+    c, slots, tokens = _filled(seed)
+    assert c.sweep(_runs(slots, tokens, 0)) == sum(map(len, slots))  # a long sweep first ...
+    keep = 7
+    n = c.sweep(_runs(slots, tokens, keep))  # ... then a shorter one over what it left
+    p = c.sweep_plan
+    want = [(s, s_[keep + i - 1], keep + i, t) for s_, t_ in zip(slots, tokens, strict=True)
+            for i, (s, t) in enumerate(zip(s_[keep:], t_[keep:], strict=True))]
+    assert n == len(want) and int(p.count[0]) == n
+    got = list(zip(p.slot[:n].tolist(), p.pred[:n].tolist(), p.position[:n].tolist(), p.token[:n].tolist(),
+                   strict=True))
+    assert got == want
+    assert p.entry[:n].tolist() == p.slot[:n].tolist() and not p.row[:n].any()
+    clean = c.flush(1)
+    assert clean.violations == []
+    bad = slots[1][keep + 3]
+    record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 17  # its own word only: no successor's chain moves
+    c.sweep(_runs(slots, tokens, keep))
+    found = c.flush(2).violations
+    assert [(v.slot, v.point.name) for v in found] == [(bad, "SWEEP")]
+    assert found[0].reasons == Reason.FINGERPRINT
+
+
+def _write_into(c: Canary, slots: list[int], token: int) -> list:
+    """A forward of one request (row 1, nothing cached) writing ``slots``; its violations."""
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")
+    table = torch.zeros(ROWS, CTX, dtype=torch.int32)
+    table[1, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    b = ForwardBatch(i64([1]), i64([0]), i64([len(slots)]), table.cuda(), i64([token] * len(slots)),
+                     i64(list(range(len(slots)))), i64(slots))
+    c.prepare_head(b)
+    c.launch_head(b)
+    c.end_step(10)
+    return c.flush(11).violations
+
+
+def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size():
+    c, slots, _ = _filled(5)
+    free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
+    held = torch.tensor(slots[0][:5], dtype=torch.int64)  # a small hold first, then one that outgrows its words
+    c.hold(held)
+    assert _write_into(c, free[:3], 7) == []  # the clean twin: no write into a held slot
+    big = torch.tensor(sum(slots, []), dtype=torch.int64)
+    for hold, target in ((held, int(held[2])), (big, int(big[-4]))):
+        c.hold(hold)
+        found = _write_into(c, [free[3], target], 9)
+        conflicts = [v for v in found if v.reasons & Reason.READ_CONFLICT]
+        assert [(v.slot, v.point.name) for v in conflicts] == [(target, "HEAD")]
