@@ -45,6 +45,11 @@ def _filled(seed: int) -> tuple[Canary, list[list[int]], list[list[int]]]:
     return c, slots, tokens
 
 
+def _read(c: Canary, step: int) -> list:
+    """The violations of what ran since the last report: the step's end, then everything pending."""
+    return c.end_step(step).violations + c.flush(step + 1).violations
+
+
 def _runs(slots, tokens, keep: int) -> list[SweepRun]:
     """The rows' slots from position ``keep`` on, as runs (their predecessor: the slot before)."""
     return [SweepRun(torch.tensor(s[keep:], dtype=torch.int64), tuple(t[keep:]), keep, s[keep - 1] if keep else -1)
@@ -65,12 +70,11 @@ def test_a_sweep_lands_its_entries_exactly_and_reports_only_damage(seed):
                    strict=True))
     assert got == want
     assert p.entry[:n].tolist() == p.slot[:n].tolist() and not p.row[:n].any()
-    clean = c.flush(1)
-    assert clean.violations == []
+    assert _read(c, 1) == []
     bad = slots[1][keep + 3]
     record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 17  # its own word only: no successor's chain moves
     c.sweep(_runs(slots, tokens, keep))
-    found = c.flush(2).violations
+    found = _read(c, 3)
     assert [(v.slot, v.point.name) for v in found] == [(bad, "SWEEP")]
     assert found[0].reasons == Reason.FINGERPRINT
 
@@ -84,8 +88,7 @@ def _write_into(c: Canary, slots: list[int], token: int) -> list:
                      i64(list(range(len(slots)))), i64(slots))
     c.prepare_head(b)
     c.launch_head(b)
-    c.end_step(10)
-    return c.flush(11).violations
+    return _read(c, 10)
 
 
 def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size():

@@ -174,7 +174,7 @@ class Canary:
         self._staging = torch.empty(5 * cap, dtype=torch.int32, pin_memory=True) if on_cuda else None
         self._landing = torch.empty(5 * cap, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
-        self._held_words: tuple[torch.Tensor, torch.Tensor] | None = None  # hold's pinned and device words
+        self._held_words: tuple | None = None  # hold's pinned and device words, and the pinned ones' numpy view
         self._held_read = torch.cuda.Event() if on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
@@ -516,15 +516,15 @@ class Canary:
             return
         self.join()  # a side HEAD may still read the device words this copy rewrites
         n = slots.numel()
+        self._held_read.synchronize()  # the last hold's copy has read the pinned words: long done
         if self._held_words is None or self._held_words[0].numel() < n:  # grown, never shrunk
             size = max(n, 1024, 2 * self._held_words[0].numel() if self._held_words is not None else 0)
-            self._held_read.synchronize()  # the old pinned words are freed: their last copy is done
-            self._held_words = (torch.empty(size, dtype=torch.int64, pin_memory=True),
-                                torch.empty(size, dtype=torch.int64, device=dev))
-        host, device = self._held_words[0][:n], self._held_words[1][:n]
-        self._held_read.synchronize()  # the last hold's copy has read the pinned words: long done
-        host.copy_(slots.reshape(-1))
-        device.copy_(host, non_blocking=True)
+            pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._held_words = (pinned, torch.empty(size, dtype=torch.int64, device=dev), pinned.numpy())
+        pinned, device, words = self._held_words
+        words[:n] = slots.reshape(-1).numpy()  # numpy: no torch dispatch for the host side
+        device = device[:n]
+        device.copy_(pinned[:n], non_blocking=True)
         self._held_read.record(torch.cuda.current_stream(dev))
         self.held = device
 
