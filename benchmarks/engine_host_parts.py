@@ -76,6 +76,8 @@ def main() -> None:
         return g
 
     def wrap(owner, name, label, *also):
+        if not hasattr(owner, name):  # a part an older tree does not have (timed against this one)
+            return
         g = timed(getattr(owner, name), label)
         for o in (owner, *also):
             setattr(o, name, g)
@@ -92,7 +94,8 @@ def main() -> None:
     for n in ("snapshot", "collect", "host_launches", "_copy_cuda", "_read"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
     wrap(chk._CheckLaunch, "launch", "ops.check._CheckLaunch.launch")
-    wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, "entries", "runtime.sweep.RunCache.entries")
+    for n in ("entries", "arrays"):  # the runs' cached host arrays (``arrays`` before whole entries were kept)
+        wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, n, f"runtime.sweep.RunCache.{n}")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
     direct = timed(sys.modules["kvcanary.ops.launcher"].launch, lambda fn: f"ops launch {fn.fn.__name__}")

@@ -186,6 +186,7 @@ class Canary:
         on_side = config.overlap is not Overlap.OFF and self.fused and dev.type == "cuda"
         self.side = torch.cuda.Stream(device=dev) if on_side else None
         self.side_eager = config.overlap is Overlap.ALWAYS
+        self._on_cuda = dev.type == "cuda"
         if self.side is not None:
             self._device_index = self.side.device_index
             self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
@@ -236,9 +237,12 @@ class Canary:
                                                    b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
                                                    lut=self._lut(b), held=held)
 
-    def _on_side(self) -> bool:
-        """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``)."""
-        return self.side is not None and (self.side_eager or torch.cuda.is_current_stream_capturing())
+    def _on_side(self, capturing: bool | None = None) -> bool:
+        """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``);
+        ``capturing``: whether the current stream is capturing, when the caller asked already."""
+        if self.side is None:
+            return False
+        return self.side_eager or (torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile; runs on
@@ -428,15 +432,16 @@ class Canary:
         if not self.config.enabled or self._tail_started or not self._on_side():
             return
         t0 = time.perf_counter()
-        self._fork_tail(b)
+        self._fork_tail(b, torch.cuda.is_current_stream_capturing())
         self.totals.seconds += time.perf_counter() - t0
 
-    def _fork_tail(self, b: ForwardBatch) -> None:
+    def _fork_tail(self, b: ForwardBatch, capturing: bool) -> None:
         with torch.cuda.stream(self._fork()):
-            self._launch_tail(b)
+            self._launch_tail(b, capturing)
         self._tail_started = True
 
-    def _launch_tail(self, b: ForwardBatch) -> None:
+    def _launch_tail(self, b: ForwardBatch, capturing: bool) -> None:
+        """TAIL's launch on the current stream; ``capturing``: whether that stream is capturing."""
         bs = b.batch_size
         tag, truth = self.tag(LaunchPoint.TAIL), self._use_truth(b)
         if not self._checked(b, tag, "tail", truth):
@@ -446,7 +451,7 @@ class Canary:
                           truth=self.truth if truth else None, truth_lens=self.truth_lens[:bs] if truth else None,
                           sources=self.sources, mode=self.config.real_kv, meta=self.meta, lut=self._lut(b),
                           window=self.window, backend=self.backend)
-        if self.publishing and torch.cuda.is_current_stream_capturing():
+        if self.publishing and capturing:
             self.reporter.publish()  # each replay hands end_step its counters
         elif self._replays:
             self._replays -= 1
@@ -465,13 +470,14 @@ class Canary:
             self._replays = max(self._replays - 1, 0)
             self.totals.seconds += time.perf_counter() - t0
             return
-        if self._tail_started or self._on_side():
+        capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()  # asked once a TAIL
+        if self._tail_started or self._on_side(capturing):
             if not self._tail_started:
-                self._fork_tail(b)
+                self._fork_tail(b, capturing)
             self._tail_started = False
             self.join()
         elif self.fused:
-            self._launch_tail(b)
+            self._launch_tail(b, capturing)
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
