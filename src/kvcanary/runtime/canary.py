@@ -174,8 +174,6 @@ class Canary:
         self._staging = torch.empty(5 * cap, dtype=torch.int32, pin_memory=True) if on_cuda else None
         self._landing = torch.empty(5 * cap, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
-        self._held_words: tuple | None = None  # hold's pinned and device words, and the pinned ones' numpy view
-        self._held_read = torch.cuda.Event() if on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -520,19 +518,8 @@ class Canary:
         if dev.type != "cuda" or slots.is_cuda:
             self.held = slots.to(dev, torch.int64).contiguous()
             return
-        self.join()  # a side HEAD may still read the device words this copy rewrites
-        n = slots.numel()
-        self._held_read.synchronize()  # the last hold's copy has read the pinned words: long done
-        if self._held_words is None or self._held_words[0].numel() < n:  # grown, never shrunk
-            size = max(n, 1024, 2 * self._held_words[0].numel() if self._held_words is not None else 0)
-            pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._held_words = (pinned, torch.empty(size, dtype=torch.int64, device=dev), pinned.numpy())
-        pinned, device, words = self._held_words
-        words[:n] = slots.reshape(-1).numpy()  # numpy: no torch dispatch for the host side
-        device = device[:n]
-        device.copy_(pinned[:n], non_blocking=True)
-        self._held_read.record(torch.cuda.current_stream(dev))
-        self.held = device
+        # pinned by torch's caching host allocator, which keeps the block until the copy has read it
+        self.held = slots.reshape(-1).to(torch.int64).pin_memory().to(dev, non_blocking=True)
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
