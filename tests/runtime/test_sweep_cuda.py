@@ -5,6 +5,8 @@ damaged since its stamp is reported by the sweep, at SWEEP, naming the slot. Hel
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -91,15 +93,22 @@ def _write_into(c: Canary, slots: list[int], token: int) -> list:
     return _read(c, 10)
 
 
-def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size():
+@pytest.mark.parametrize("busy", [False, True], ids=["idle stream", "busy stream"])
+def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size(busy):
     c, slots, _ = _filled(5)
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
-    held = torch.tensor(slots[0][:5], dtype=torch.int64)  # a small hold first, then one that outgrows its words
+    held = torch.tensor(slots[0][:5], dtype=torch.int64)  # a small hold first, then a large one
     c.hold(held)
     assert _write_into(c, free[:3], 7) == []  # the clean twin: no write into a held slot
     big = torch.tensor(sum(slots, []), dtype=torch.int64)
     for hold, target in ((held, int(held[2])), (big, int(big[-4]))):
+        torch.cuda.synchronize()
+        if busy:  # queued device work: the hold goes through pinned memory and must not wait for it
+            torch.cuda._sleep(200_000_000)
+            t = time.perf_counter()
         c.hold(hold)
+        if busy:
+            assert time.perf_counter() - t < 0.05, "hold waited for the queued device work"
         found = _write_into(c, [free[3], target], 9)
         conflicts = [v for v in found if v.reasons & Reason.READ_CONFLICT]
         assert [(v.slot, v.point.name) for v in conflicts] == [(target, "HEAD")]

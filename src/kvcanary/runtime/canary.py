@@ -510,12 +510,13 @@ class Canary:
     def hold(self, slots: torch.Tensor) -> None:
         """Slots (int64, this pool's numbering) the prefix cache holds that no request reads: the
         next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0). On
-        CUDA, host slots reach the device through pinned words without a host sync (a plain copy
-        from pageable memory would wait for the device to drain its stream)."""
+        CUDA, host slots never wait for queued device work: a plain copy from pageable memory
+        waits for the current stream to drain, so it serves only where that stream is idle (one
+        call); else they go through pinned memory (three)."""
         if not self.config.enabled:
             return
         dev = self.state.device
-        if dev.type != "cuda" or slots.is_cuda:
+        if dev.type != "cuda" or slots.is_cuda or torch.cuda.current_stream(dev).query():
             self.held = slots.to(dev, torch.int64).contiguous()
             return
         # pinned by torch's caching host allocator, which keeps the block until the copy has read it
