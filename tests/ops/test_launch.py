@@ -107,3 +107,59 @@ def test_an_installed_launch_hook_takes_tritons_launch(monkeypatch):
     finally:
         hook.remove(record)
     assert len(calls) == 2 and len(seen) == 2
+
+
+def test_fixed_leading_arguments_key_and_launch_as_the_whole_list():
+    gen = torch.Generator().manual_seed(6)
+    k = launcher._Kernel(_scatter_kernel)
+    for shift, big in itertools.product((0, 1, 2), (False, True)):
+        a = _scatter_args(gen, shift, big)
+        whole_key, whole_values = launcher._key(k, a)
+        for cut in (0, 1, 4, 7, len(a)):
+            fixed = launcher.Fixed(_scatter_kernel, a[:cut])
+            key, values = launcher._key(k, a[cut:], cut)
+            assert fixed.key + key == whole_key and fixed.values + values == whole_values
+
+    lengths = torch.randint(1, 9, (4,), generator=gen)
+    offsets = offsets_from_lengths(lengths).cuda()
+    flat = torch.randint(-1000, 1000, (int(lengths.sum()),), generator=gen).cuda()
+    rows = torch.randperm(6, generator=gen)[:4].cuda()
+    starts = torch.randint(0, 3, (4,), generator=gen).cuda()
+    constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)
+
+    def scatter(cut: int | None):
+        pool = torch.full((6, 12), -5, dtype=torch.int32, device="cuda")
+        err, lens = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(4, dtype=torch.int64, device="cuda")
+        args = (flat, offsets, rows, pool, err, lens, starts, flat.shape[0], 4, 6, 12, 12)
+        if cut is None:
+            launcher.launch(_scatter_kernel, (4, 1), args, constexprs)
+        else:
+            launcher.launch(_scatter_kernel, (4, 1), args[cut:], constexprs,
+                            fixed=launcher.Fixed(_scatter_kernel, args[:cut]))
+        return pool.cpu(), lens.cpu(), err.cpu()
+
+    want = scatter(None)
+    assert (want[0] != -5).any()
+    for cut in (0, 3, 7, 12):
+        for _ in range(2):  # the first launch of a key through Triton, then the kept kernel
+            got = scatter(cut)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_fixed_tensor_resized_in_place_is_launched_at_its_new_address():
+    gen = torch.Generator().manual_seed(7)
+    flat = torch.randint(-1000, 1000, (8,), generator=gen).cuda()
+    offsets, rows = torch.tensor([0, 3, 8], device="cuda"), torch.tensor([1, 2], device="cuda")
+    pool = torch.full((3, 8), -5, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fixed = launcher.Fixed(_scatter_kernel, (flat, offsets, rows, pool, err, err, offsets))
+    constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)
+    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)
+    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)  # the kept kernel
+    before = pool.data_ptr()
+    pool.resize_(1 << 20, 8).fill_(-5)  # a new allocation: the old address is freed
+    assert pool.data_ptr() != before
+    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 1 << 20, 8, 8), constexprs, fixed=fixed)
+    torch.cuda.synchronize()
+    assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
+    assert int(err[0]) == 0 and int((pool != -5).sum()) == 8

@@ -74,7 +74,7 @@ from kvcanary.ops.fingerprint import (
 )
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
-from kvcanary.ops.launcher import launch
+from kvcanary.ops.launcher import Fixed, launch
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, check_window, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
@@ -377,12 +377,12 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
 @triton.jit(do_not_specialize=["n", "bs", "rows", "max_ctx", "rtt_stride", "lut_len", "truth_stride", "truth_width",
                                "window", "num_slots", "ring_cap", "tag", "split", "n_verify", "grid",
                                "max_spins", "n_held", "halves"])
-def _check_kernel(words_ptr, rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr,
-                  pos_ptr, loc_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
-                  flag_ptr, marks_ptr, mepoch_ptr, held_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
-                  n, bs, rows,
-                  max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag, split,
-                  n_verify, grid, max_spins, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
+def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
+                  flag_ptr, marks_ptr, mepoch_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
+                  window, num_slots, ring_cap, max_spins,
+                  rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr, pos_ptr, loc_ptr,
+                  held_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride, truth_width, tag, split,
+                  n_verify, grid, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
                   HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, VERIFY_SOURCES: tl.constexpr,
                   HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_T: tl.constexpr):
@@ -517,14 +517,13 @@ class _CheckLaunch:
         self.block_t = WRITE_BLOCK if stamp else RECORD_BLOCK  # HEAD: 256 tokens a program; TAIL: 128 fingerprints
         self.writers = stamp or bool(sources)
         self.seed = ws.seed
-        self.state_args = (state.ring, state.ring_counter, state.stats, state.error, ws.sync, ws.write_offsets,
-                           ws.seed, ws.block_sum, ws.block_flag, marks.words if stamp else ws.sync,
-                           marks.epoch if stamp else ws.sync)
-        self.source_args = (*source_words(sources, ws.seed), meta if meta is not None else ws.sync,
-                            state.source_tags, source_halves(fp_sources))
-        self.records = record_words(state.records)
-        self.geometry = (window, state.num_slots, state.ring_capacity)
-        self.max_spins = max_spins if max_spins is not None else 1 << 24 if self.cuda else 64
+        max_spins = max_spins if max_spins is not None else 1 << 24 if self.cuda else 64
+        # the kernel's leading arguments, the same at every launch: keyed once (ops.launcher.Fixed)
+        self.fixed = Fixed(_check_kernel, (
+            record_words(state.records), state.ring, state.ring_counter, state.stats, state.error, ws.sync,
+            ws.write_offsets, ws.seed, ws.block_sum, ws.block_flag, marks.words if stamp else ws.sync,
+            marks.epoch if stamp else ws.sync, *source_words(sources, ws.seed), meta if meta is not None else ws.sync,
+            state.source_tags, source_halves(fp_sources), window, state.num_slots, state.ring_capacity, max_spins))
         self.constexprs = dict(
             STAMP=stamp, HAS_LUT=False, HAS_TRUTH=False, NUM_SOURCES=len(sources), VERIFY_SOURCES=len(fp_sources),
             HALVES=source_halves(sources),
@@ -542,13 +541,12 @@ class _CheckLaunch:
         grid = 1 + n_verify + (cdiv(n, self.block_t) if self.writers else 0)
         truth_t = truth if truth is not None else rtt
         launch(_check_kernel, (grid,), (
-            self.records, rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed, truth_t,
-            truth_lens if truth_lens is not None else prefix_lens, ids, pos, loc, *self.state_args,
-            held if held is not None else self.sync, *self.source_args,
+            rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed, truth_t,
+            truth_lens if truth_lens is not None else prefix_lens, ids, pos, loc,
+            held if held is not None else self.sync,
             n, bs, rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
-            truth_t.shape[1], *self.geometry, tag, split, n_verify, grid, self.max_spins,
-            held.shape[0] if held is not None else 0), self._constexprs(lut is not None, truth is not None),
-            num_warps=self.num_warps)
+            truth_t.shape[1], tag, split, n_verify, grid, held.shape[0] if held is not None else 0),
+            self._constexprs(lut is not None, truth is not None), num_warps=self.num_warps, fixed=self.fixed)
 
     def _constexprs(self, has_lut: bool, has_truth: bool) -> dict:
         c = self._variants.get((has_lut, has_truth))

@@ -14,6 +14,10 @@ specialisation of these arguments depends on:
 | bool                  | its value                                                            |
 | constexprs, options   | their values, and the current device                                 |
 
+A kernel launched many times with the same leading arguments (a bound check's state buffers,
+whose storage never moves) keys them once: ``launch(..., fixed=Fixed(fn, leading))`` keys only
+the arguments that follow.
+
 The first launch of a key goes through Triton (compiling when it must) and the compiled kernel
 it returns is kept; later launches call that kernel's launcher directly, tensors passed as their
 addresses (the ops validated their devices). Triton's own launch serves instead under the
@@ -78,29 +82,65 @@ def _hooked(runtime) -> bool:
     return False
 
 
-def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4) -> None:
-    """``fn[grid](*args, **constexprs, num_warps=num_warps)``, through the kept compiled kernel
-    when one matches (module doc). ``constexprs`` must name every constexpr of ``fn``."""
-    drv = _driver()
-    if drv is None:
-        fn[grid](*args, **constexprs, num_warps=num_warps)
-        return
+class Fixed:
+    """``args``, the first arguments of every ``launch`` of ``fn`` that passes this as ``fixed``,
+    keyed once: tensors (kept alive here; each launch compares their addresses, one read each,
+    and keys them again where one moved) and ints that never change."""
+
+    __slots__ = ("args", "key", "values", "tensors", "addresses")
+
+    def __init__(self, fn, args: tuple):
+        self.args = tuple(args)
+        self.tensors = tuple(a for a in self.args if isinstance(a, torch.Tensor))
+        self.key, self.values, self.addresses = None, [], []  # no key: Triton's own launch (no fast path
+        if _driver() is not None:  # here, or an argument of a type it does not take)
+            self.rekey(_kernel(fn))
+
+    def rekey(self, k: _Kernel) -> None:
+        self.key, self.values = _key(k, self.args)
+        self.addresses = [t.data_ptr() for t in self.tensors]
+
+    def moved(self) -> bool:
+        """Whether a tensor's storage moved since it was keyed (an in-place resize): the launch keys
+        the arguments again rather than pass a stale address."""
+        return [t.data_ptr() for t in self.tensors] != self.addresses
+
+
+def _kernel(fn) -> _Kernel:
     k = _kernels.get(id(fn))
     if k is None or k.fn is not fn:
         k = _kernels[id(fn)] = _Kernel(fn)
+    return k
+
+
+def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, fixed: Fixed | None = None) -> None:
+    """``fn[grid](*args, **constexprs, num_warps=num_warps)``, through the kept compiled kernel
+    when one matches (module doc). ``constexprs`` must name every constexpr of ``fn``. With
+    ``fixed`` (a ``Fixed``), ``args`` are the arguments after its own."""
+    drv = _driver()
+    if drv is None:
+        fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
+        return
+    k = _kernel(fn)
     get_device, get_stream, runtime = drv
     key, values = None, None
-    if (k.usable and len(args) == k.num_args and len(constexprs) == len(k.constexprs)
+    first = len(fixed.args) if fixed is not None else 0
+    if (k.usable and first + len(args) == k.num_args and len(constexprs) == len(k.constexprs)
+            and (fixed is None or fixed.key is not None)
             and not getattr(fn, "pre_run_hooks", None) and not _hooked(runtime)):
-        key, values = _key(k, args)
+        key, values = _key(k, args, first)
+        if key is not None and fixed is not None:
+            if fixed.moved():
+                fixed.rekey(k)
+            key, values = fixed.key + key, fixed.values + values
     if key is None:  # Triton's own launch (module doc)
-        fn[grid](*args, **constexprs, num_warps=num_warps)
+        fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
         return
     device = get_device()
     key = (device, num_warps, tuple(constexprs[name] for name in k.constexprs), *key)
     kernel = k.compiled.get(key)
     if kernel is None:
-        kernel = fn[grid](*args, **constexprs, num_warps=num_warps)
+        kernel = fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
         if kernel is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "run"):
             k.compiled[key] = kernel
         return
@@ -109,12 +149,12 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4) -
                *values, *key[2])
 
 
-def _key(k: _Kernel, args: tuple) -> tuple[tuple | None, list]:
+def _key(k: _Kernel, args: tuple, first: int = 0) -> tuple[tuple | None, list]:
     """(the arguments' part of the key, the values to launch with), or (None, _) for an argument
-    of a type the fast path does not take."""
+    of a type the fast path does not take; ``args`` are the kernel's from argument ``first`` on."""
     key, values = [], []
     lo, hi = _I32
-    for i, a in enumerate(args):
+    for i, a in enumerate(args, first):
         t = type(a)
         if t is torch.Tensor or isinstance(a, torch.Tensor):
             ptr = a.data_ptr()

@@ -56,7 +56,7 @@ from kvcanary.ops.fingerprint import (
     validate_meta,
     validate_sources,
 )
-from kvcanary.ops.launcher import launch
+from kvcanary.ops.launcher import Fixed, launch
 from kvcanary.ops.plan import Plan, validate_plan_buffers
 from kvcanary.ops.state import DeviceState
 
@@ -174,8 +174,8 @@ def check_entries(words_ptr, tags_ptr, slot, pred, epos, etok, entry, prow, m, n
 
 @triton.jit
 def _verify_kernel(words_ptr, tags_ptr, slot_ptr, pred_ptr, pos_ptr, tok_ptr, entry_ptr, row_ptr, count_ptr,
-                   enable_ptr, ring_ptr, counter_ptr, stats_ptr, cap, num_slots, ring_cap, tag, halves, w0_ptr,
-                   w1_ptr, w2_ptr, w3_ptr, meta_ptr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+                   enable_ptr, ring_ptr, counter_ptr, stats_ptr, cap, num_slots, ring_cap, halves, w0_ptr,
+                   w1_ptr, w2_ptr, w3_ptr, meta_ptr, tag, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
                    BLOCK_W: tl.constexpr):
     """Persistent grid: program p checks entries p*BLOCK + k*nprog*BLOCK + [0, BLOCK) below
     min(count, cap) (none when enable is 0); each lane gathers its record and its predecessor's."""
@@ -228,16 +228,17 @@ class _VerifyLaunch:
         block = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] if sources \
             else 1024
         self.grid = (max(1, min(cdiv(plan.capacity, block), max_programs)),)
-        self.before = (record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token,
-                       plan.entry, plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats,
-                       plan.capacity, canary.shape[0], ring.shape[0])
-        self.after = (source_halves(sources), *source_words(sources, plan.slot),
-                      meta if meta is not None else plan.count)
+        # every argument but the tag, keyed once (ops.launcher.Fixed)
+        self.fixed = Fixed(_verify_kernel, (
+            record_words(canary), state.source_tags, plan.slot, plan.pred, plan.position, plan.token, plan.entry,
+            plan.row, plan.count, plan.enable, ring, state.ring_counter, state.stats, plan.capacity, canary.shape[0],
+            ring.shape[0], source_halves(sources), *source_words(sources, plan.slot),
+            meta if meta is not None else plan.count))
         self.constexprs = dict(NUM_SOURCES=len(sources), BLOCK=block,
                                BLOCK_W=block_words(sources, mode) if sources else 4)
 
     def launch(self, tag: int) -> None:
-        launch(_verify_kernel, self.grid, (*self.before, tag, *self.after), self.constexprs, num_warps=4)
+        launch(_verify_kernel, self.grid, (tag,), self.constexprs, num_warps=4, fixed=self.fixed)
 
 
 class BoundVerify:
