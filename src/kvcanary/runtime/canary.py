@@ -298,8 +298,10 @@ class Canary:
         if b.batch_size > self.config.max_bs:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
-        self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
-        on_device = self._use_truth(b) and self.truth.is_cuda
+        if self._side_busy:
+            self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
+        use_truth = self._use_truth(b)
+        on_device = use_truth and self.truth.is_cuda
         if on_device:
             self._check_truth_batch(b)
         self._meta.batch = b
@@ -311,7 +313,7 @@ class Canary:
             if b.truth_starts is None:
                 scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
                                   self.truth_lens, HAS_TRITON)
-        elif self._use_truth(b) and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
+        elif use_truth and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
             self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
 
@@ -711,15 +713,16 @@ class Canary:
         if reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
             report.violations = reporter.read_host(meta)
         else:
-            reporter.snapshot(meta, replays=self._replays)
-            report.violations = reporter.collect()
+            report.violations = reporter.advance(meta, self._replays)
         self._meta = StepMeta(step + 1)
-        self.totals.steps += 1
+        totals = self.totals
+        totals.steps += 1
         report.alarms = self.watchdog.observe_launches(reporter.host_launches())
         self._replays = 0
         report.device_flags = self._read_device_flags()
-        self._account(report, upto_step=step - reporter.lag)
-        self.totals.seconds += time.perf_counter() - t0
+        if report.violations or report.alarms or self.incidents.pending or self._log_due(step):
+            self._account(report, upto_step=step - reporter.lag)
+        totals.seconds += time.perf_counter() - t0
         if report.device_flags:
             self._report_device_flags(report)
         if report.violations or report.alarms:  # a clean step has no policy to apply
@@ -763,6 +766,11 @@ class Canary:
         self._report_device_flags(report)
         self._apply_policy(report)
         return report
+
+    def _log_due(self, step: int) -> bool:
+        """Whether ``step`` is due a stats line or an incident summary line (``_account``)."""
+        period, every = self.config.stats_period, self.config.incident_summary_steps
+        return bool(period and step % period == 0) or bool(every and step % every == 0)
 
     def _account(self, report: StepReport, upto_step: int, summary: bool = False) -> None:
         """Totals, incidents and log lines of a report: a WARNING violation line for each

@@ -105,6 +105,11 @@ class IncidentTracker:
     _closes: deque = field(default_factory=deque)
     _summary: list = field(default_factory=lambda: [0, 0, 0])  # new incidents, re-detections, closes since the last
 
+    @property
+    def pending(self) -> bool:
+        """Whether ``observe`` has closes to apply (slots rewritten or freed while incidents were open)."""
+        return bool(self._closes)
+
     def open_incidents(self) -> list[Incident]:
         """The open incidents, oldest first."""
         return sorted({id(i): i for i in self.open.values()}.values(), key=lambda i: i.id)
