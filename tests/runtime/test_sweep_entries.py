@@ -1,5 +1,5 @@
-"""Sweep entries built with array operations equal a plain per-entry walk over the runs, for
-random runs (empty ones, unknown tokens, predecessors) and cursors that wrap."""
+"""Sweep entries built with array operations or Python lists equal a plain per-entry walk over
+the runs, for random runs (empty ones, unknown tokens, predecessors) and cursors that wrap."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvcanary.runtime import sweep
 from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
 
 
@@ -36,8 +37,10 @@ def _runs(rng: random.Random) -> list[SweepRun]:
     return runs
 
 
+@pytest.mark.parametrize("listed", [0, 1 << 30], ids=["arrays", "lists"])
 @pytest.mark.parametrize("seed", range(40))
-def test_entries_match_a_walk_over_the_runs(seed):
+def test_entries_match_a_walk_over_the_runs(seed, listed, monkeypatch):
+    monkeypatch.setattr(sweep, "LISTED_ENTRIES", listed)  # new runs built by either path
     rng = random.Random(seed)
     runs = _runs(rng)
     cursor, max_entries = rng.randrange(0, 500), rng.choice([0, 1, 7, 64, 10_000])

@@ -9,6 +9,7 @@ visited within ``ceil(cached bytes / budget)`` sweeps.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,8 +35,7 @@ def sweep_entries(runs: Sequence[SweepRun], cursor: int, max_entries: int, cache
     if not runs or max_entries <= 0:
         empty = np.zeros(0, dtype=np.int64)
         return (empty, empty, empty, empty), 0
-    blocks = (cache if cache is not None else RunCache()).entries(runs)
-    entries = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+    entries = (cache if cache is not None else RunCache()).joined(runs)
     total = entries.shape[1]
     start = cursor % total
     take = min(max_entries, total)
@@ -67,6 +67,20 @@ class RunCache:
 
     def __init__(self):
         self._kept: dict[int, tuple] = {}
+        self._joined: tuple[list, np.ndarray] | None = None  # the last sweep's blocks and their concatenation
+
+    def joined(self, runs: list[SweepRun]) -> np.ndarray:
+        """The entries of ``runs`` (none empty) as one int64 [4, total] array: the last sweep's
+        when its runs gave the same blocks in the same order (nothing writes these arrays)."""
+        blocks = self.entries(runs)
+        if len(blocks) == 1:
+            return blocks[0]
+        last = self._joined
+        if last is not None and len(last[0]) == len(blocks) and all(map(operator.is_, last[0], blocks)):
+            return last[1]
+        out = np.concatenate(blocks, axis=1)
+        self._joined = (blocks, out)
+        return out
 
     def entries(self, runs: list[SweepRun]) -> list[np.ndarray]:
         """The entries of each of ``runs`` (none empty), in order."""
@@ -97,14 +111,19 @@ class RunCache:
         return out
 
 
+LISTED_ENTRIES = 128  # fewer new entries than this (all on the CPU): built as Python lists (``_entries``)
+
+
 def _entries(runs: list[SweepRun], lens: list[int], every: list[SweepRun]) -> np.ndarray:
     """The entries of ``runs`` (``lens`` slots each) as one int64 [4, total] array; a token count
-    that does not match names the totals of ``every`` run of the sweep. Runs on the CPU are
-    walked as Python lists into one array: a sweep converts a few new runs between a model's
-    forwards, where each numpy or torch call costs several µs more than in a loop."""
-    if all(not r.slots.is_cuda for r in runs):
-        return _entries_listed(runs, lens, every)
+    that does not match names the totals of ``every`` run of the sweep. A few entries of runs on
+    the CPU are walked as Python lists into one array: a sweep converts a few new runs between a
+    model's forwards, where each numpy or torch call costs several µs more than in a loop; from
+    ``LISTED_ENTRIES`` on, the arrays' ten calls cost less than the lists' work per entry (in a
+    loop on a laptop core: 89 entries 11.7 against 15.0 µs, 381 entries 46 against 24)."""
     total = sum(lens)
+    if total < LISTED_ENTRIES and all(not r.slots.is_cuda for r in runs):
+        return _entries_listed(runs, lens, every)
     block = np.empty((4, total), dtype=np.int64)
     block[0] = slot = _host_slots([r.slots for r in runs])
     try:
