@@ -91,10 +91,10 @@ def main() -> None:
     wrap(ld, "validate_landed", "ops.landed.validate_landed")
     wrap(sc, "scatter_validated", "ops.scatter.scatter_validated", cm)
     wrap(cm, "sweep_entries", "runtime.sweep.sweep_entries")
-    for n in ("snapshot", "collect", "host_launches", "_copy_cuda", "_read"):
+    for n in ("snapshot", "collect", "advance", "host_launches", "_copy_cuda", "_read"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
     wrap(chk._CheckLaunch, "launch", "ops.check._CheckLaunch.launch")
-    for n in ("entries", "arrays"):  # the runs' cached host arrays (``arrays`` before whole entries were kept)
+    for n in ("entries", "joined", "arrays"):  # the runs' cached host arrays (``arrays`` before whole entries were kept)
         wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, n, f"runtime.sweep.RunCache.{n}")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")

@@ -10,8 +10,8 @@ import kvcanary
 import kvcanary.ops
 
 ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
-              "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport", "SweepRun",
-              "Violation", "__version__"]
+              "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport",
+              "SweepRun", "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "BoundCheck", "BoundMarks", "BoundVerify", "DeviceFlag", "DeviceState",
              "FingerprintMode", "KVSource", "Plan", "Workspace",
              "build_plan", "check_forward", "check_writes", "check_writes_landed", "fingerprint",
