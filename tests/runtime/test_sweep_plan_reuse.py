@@ -17,7 +17,9 @@ from kvcanary.runtime.sweep import SweepRun
 
 NUM_SLOTS, ROWS, CTX = 300, 4, 64
 
-PATHS = [pytest.param("cpu", False, id="cpu-ops"), pytest.param("cpu", True, id="cpu-triton"),
+PATHS = [pytest.param("cpu", False, id="cpu-ops"),
+         pytest.param("cpu", True, id="cpu-triton", marks=pytest.mark.skipif(
+             torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case runs the kernel)")),
          pytest.param("cuda", None, id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
              not torch.cuda.is_available(), reason="needs CUDA")])]
 
