@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from kvcanary.config import CanaryConfig
-from kvcanary.core.record import FINGERPRINT, Half, Reason, record_words
-from kvcanary.ops.fingerprint import FingerprintMode, KVSource
+from kvcanary.core.record import FINGERPRINT, Reason, record_words
 from kvcanary.runtime.batch import ForwardBatch
-from kvcanary.runtime.canary import Canary, PoolGeometry
+from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.sweep import SweepRun
+
+from ._helpers import prefilled, read_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -23,33 +23,7 @@ NUM_SLOTS, ROWS, CTX = 400, 4, 96
 
 
 def _filled(seed: int) -> tuple[Canary, list[list[int]], list[list[int]]]:
-    """A canary whose rows 1..3 were prefilled (random slots and tokens): their slots and tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(NUM_SLOTS, 2, 16, generator=gen).to("cuda", torch.bfloat16)
-    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, max_bs=4, max_tokens=512, sweep_interval=0)
-    c = Canary(config, PoolGeometry(NUM_SLOTS, ROWS, CTX, "cuda"), sources=[KVSource.from_buffer(kv, half=Half.K)])
-    lens = torch.randint(20, CTX, (3,), generator=gen).tolist()
-    perm = (torch.randperm(NUM_SLOTS - 1, generator=gen) + 1).tolist()
-    slots, tokens, at = [], [], 0
-    for n in lens:
-        slots.append(perm[at: at + n])
-        tokens.append(torch.randint(0, 30_000, (n,), generator=gen).tolist())
-        at += n
-    table = torch.zeros(ROWS, CTX, dtype=torch.int32)
-    for r, s in enumerate(slots, start=1):
-        table[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
-    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")
-    b = ForwardBatch(i64([1, 2, 3]), i64([0, 0, 0]), i64(lens), table.cuda(), i64(sum(tokens, [])),
-                     i64([p for n in lens for p in range(n)]), i64(sum(slots, [])))
-    with c.forward(b):
-        kv[b.out_cache_loc] = torch.randn(b.out_cache_loc.numel(), 2, 16, generator=gen).to("cuda", torch.bfloat16)
-    c.end_step(0)
-    return c, slots, tokens
-
-
-def _read(c: Canary, step: int) -> list:
-    """The violations of what ran since the last report: the step's end, then everything pending."""
-    return c.end_step(step).violations + c.flush(step + 1).violations
+    return prefilled(seed, "cuda", NUM_SLOTS, CTX, 20, 512)
 
 
 def _runs(slots, tokens, keep: int) -> list[SweepRun]:
@@ -72,11 +46,11 @@ def test_a_sweep_lands_its_entries_exactly_and_reports_only_damage(seed):
                    strict=True))
     assert got == want
     assert p.entry[:n].tolist() == p.slot[:n].tolist() and not p.row[:n].any()
-    assert _read(c, 1) == []
+    assert read_all(c, 1) == []
     bad = slots[1][keep + 3]
     record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 17  # its own word only: no successor's chain moves
     c.sweep(_runs(slots, tokens, keep))
-    found = _read(c, 3)
+    found = read_all(c, 3)
     assert [(v.slot, v.point.name) for v in found] == [(bad, "SWEEP")]
     assert found[0].reasons == Reason.FINGERPRINT
 
@@ -90,7 +64,7 @@ def _write_into(c: Canary, slots: list[int], token: int) -> list:
                      i64(list(range(len(slots)))), i64(slots))
     c.prepare_head(b)
     c.launch_head(b)
-    return _read(c, 10)
+    return read_all(c, 10)
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle stream", "busy stream"])
