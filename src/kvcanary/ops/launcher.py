@@ -14,9 +14,9 @@ specialisation of these arguments depends on:
 | bool                  | its value                                                            |
 | constexprs, options   | their values, and the current device                                 |
 
-A kernel launched many times with the same leading arguments (a bound check's state buffers,
-whose storage never moves) keys them once: ``launch(..., fixed=Fixed(fn, leading))`` keys only
-the arguments that follow.
+A kernel launched many times with the same leading arguments (a bound check's state buffers)
+keys them once: ``launch(..., fixed=Fixed(fn, leading))`` keys only the arguments that follow,
+after one address read per fixed tensor (one that moved is keyed again).
 
 The first launch of a key goes through Triton (compiling when it must) and the compiled kernel
 it returns is kept; later launches call that kernel's launcher directly, tensors passed as their
