@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.core.record import FINGERPRINT, record_words
+from kvcanary.core.record import FINGERPRINT, Reason, record_words
 from kvcanary.runtime.sweep import SweepRun
 
 from ._helpers import prefilled, read_all
@@ -40,7 +40,7 @@ def test_a_sweep_over_the_entries_its_plan_holds_copies_nothing_and_still_report
     bad = slots[0][keep + 3]
     record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 9  # its own word only: no successor's chain moves
     assert c.sweep(runs) == n and loads == [n]
-    assert [(v.slot, v.point.name) for v in read_all(c, 3)] == [(bad, "SWEEP")]
+    assert [(v.slot, v.point.name, v.reasons) for v in read_all(c, 3)] == [(bad, "SWEEP", Reason.FINGERPRINT)]
     record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 9  # repaired
     c.verify_landed(torch.tensor(slots[2][:4]))  # loads the plan with other entries ...
     assert c.sweep(runs) == n and loads == [n, 4, n]  # ... so the next sweep loads its own again
