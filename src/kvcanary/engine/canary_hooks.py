@@ -130,8 +130,7 @@ class CanaryHooks(EngineHooks):
 
     def before_forward(self, batch: ForwardBatch) -> None:
         if self.canary.sweep_due(self.step):
-            runs = [SweepRun(r.slots, r.token_ids, r.start_position, r.prev_slot)
-                    for r in self.engine.prefix_cache_slots()]
+            runs = self.engine.prefix_cache_slots()  # SweepRuns already, each node's own slots and key
             self.canary.sweep(runs)
             self.canary.hold(_slots_of(runs))  # this step's HEAD: no write may land in an idle cached slot
             if self.window_canary is not None:
