@@ -195,7 +195,10 @@ class Canary:
         # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream,
         # for captured forwards only (CAPTURED) or for eager ones too (``side_eager``: ALWAYS)
         on_side = config.overlap is not Overlap.OFF and self.fused and dev.type == "cuda"
-        self.side = torch.cuda.Stream(device=dev) if on_side else None
+        # high priority: where the model's programs fill every SM (large decode batches), the side
+        # stream's blocks are scheduled as SMs free up rather than after the model's queued ones, so
+        # the join after TAIL waits less (a captured graph keeps each kernel's stream priority)
+        self.side = torch.cuda.Stream(device=dev, priority=-1) if on_side else None
         self.side_eager = config.overlap is Overlap.ALWAYS
         self._on_cuda = dev.type == "cuda"
         if self.side is not None:
