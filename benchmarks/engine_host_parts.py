@@ -94,7 +94,8 @@ def main() -> None:
     for n in ("snapshot", "collect", "advance", "host_launches", "_copy_cuda", "_read"):
         wrap(reporting.Reporter, n, f"Reporter.{n}")
     wrap(chk._CheckLaunch, "launch", "ops.check._CheckLaunch.launch")
-    for n in ("entries", "joined", "arrays"):  # the runs' cached host arrays (``arrays`` before whole entries were kept)
+    # the runs' cached host arrays (``arrays``: before whole entries were kept)
+    for n in ("entries", "joined", "arrays"):
         wrap(sys.modules["kvcanary.runtime.sweep"].RunCache, n, f"runtime.sweep.RunCache.{n}")
     wrap(watchdog.Watchdog, "observe_launches", "Watchdog.observe_launches")
     JITFunction.run = timed(JITFunction.run, lambda fn: f"triton launch {fn.fn.__name__}")
