@@ -11,6 +11,7 @@ never delivered. ``retracted`` counts delivered tokens that were dropped anyway 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 from kvcanary.engine.request import Request
@@ -30,22 +31,26 @@ class Delivery:
         self.retracted = 0
         self._count: dict[int, int] = {}  # request id -> outputs delivered
         self._pending: dict[int, Request] = {}  # requests with outputs not delivered yet
-        # with a lag: each request's undelivered steps and the slots it held then (int64 tensors, read
-        # only by ``holding``: a recompute; no per-step conversion)
-        self._reads: dict[int, list[tuple[int, object]]] = {}
+        # with a lag: the steps not delivered yet, oldest first, each with the slots every request that
+        # sampled then held (int64 tensors, read only by ``holding``: a recompute; no per-step
+        # conversion); a step's entry goes as a whole once it is delivered
+        self._reads: deque[tuple[int, dict[int, object]]] = deque()
 
     def sampled(self, req: Request, slots=None, step: int = -1) -> None:
         """``req`` sampled at ``step`` holding ``slots`` (int64 tensor; kept only with a lag, for
         ``holding``)."""
         self._pending[req.request_id] = req
         if self.lag and slots is not None:
-            self._reads.setdefault(req.request_id, []).append((step, slots))
+            reads = self._reads
+            if not reads or reads[-1][0] != step:
+                reads.append((step, {}))
+            reads[-1][1][req.request_id] = slots
 
     def holding(self, slots: set[int], since: int) -> set[int]:
         """Requests with undelivered outputs sampled at ``since`` or later while holding one of
         ``slots`` (whatever they are now: running, preempted, finished)."""
-        return {rid for rid, reads in self._reads.items()
-                if any(s >= since and not slots.isdisjoint(held.tolist()) for s, held in reads)}
+        return {rid for s, held_by in self._reads if s >= since
+                for rid, held in held_by.items() if not slots.isdisjoint(held.tolist())}
 
     def dropped(self, req: Request) -> None:
         """After ``req.drop_outputs_since``: count delivered outputs it no longer has."""
@@ -71,12 +76,9 @@ class Delivery:
     def advance(self, step: int, flush: bool = False) -> None:
         """Deliver the outputs sampled at ``step - lag`` or earlier (all of them with ``flush``)."""
         upto = step - self.lag
-        for rid in list(self._reads):
-            kept = [(s, held) for s, held in self._reads[rid] if s > upto and not flush]
-            if kept:
-                self._reads[rid] = kept
-            else:
-                del self._reads[rid]
+        reads = self._reads
+        while reads and (flush or reads[0][0] <= upto):
+            reads.popleft()
         for rid, req in list(self._pending.items()):
             n = self._count.get(rid, 0)
             while n < len(req.output_ids) and (flush or req.output_steps[n] <= upto):
