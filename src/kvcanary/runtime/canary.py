@@ -533,12 +533,13 @@ class Canary:
         call); else they go through pinned memory (three)."""
         if not self.config.enabled:
             return
+        t0 = time.perf_counter()
         dev = self.state.device
         if dev.type != "cuda" or slots.is_cuda or torch.cuda.current_stream(dev).query():
             self.held = slots.to(dev, torch.int64).contiguous()
-            return
-        # pinned by torch's caching host allocator, which keeps the block until the copy has read it
-        self.held = slots.reshape(-1).to(torch.int64).pin_memory().to(dev, non_blocking=True)
+        else:  # pinned by torch's caching host allocator, which keeps the block until the copy has read it
+            self.held = slots.reshape(-1).to(torch.int64).pin_memory().to(dev, non_blocking=True)
+        self.totals.seconds += time.perf_counter() - t0
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -654,15 +655,20 @@ class Canary:
         content-only, so they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
         self.land_rows(slots, rows)
         self.incidents.note(self._meta.step, slots, "rewritten")
-        self.verify_landed(slots)
+        # rows on the host: the first landed position read there (the same bytes), not from the device
+        first = int(rows[0, 8:16].numpy().view(np.int64)[0]) if len(rows) and not rows.is_cuda else None
+        self.verify_landed(slots, first)
 
-    def verify_landed(self, slots: torch.Tensor) -> int:
+    def verify_landed(self, slots: torch.Tensor, first_position: int | None = None) -> int:
         """Check slots just filled by a copy: each against the one before it (consecutive positions)
-        and its fingerprint; the first one's link is checked by the next HEAD that reads it."""
+        and its fingerprint; the first one's link is checked by the next HEAD that reads it.
+        ``first_position``: the position the first landed record holds, where the caller has its
+        bytes on the host (else it is read from the device)."""
         if not self.config.enabled or slots.numel() == 0:
             return 0
         s = slots.reshape(-1).to("cpu", torch.int64).numpy()
-        first_pos = int(self.state.records[int(s[0])].view(torch.int64)[1])
+        first_pos = (int(self.state.records[int(s[0])].view(torch.int64)[1]) if first_position is None
+                     else first_position)
         pos = np.arange(first_pos, first_pos + len(s), dtype=np.int64)
         self._meta.sweep_runs.append((s, pos))
         return self._load_sweep_plan(s, np.concatenate([[-1], s[:-1]]), pos, np.full(len(s), -1))
@@ -685,20 +691,24 @@ class Canary:
         self._check_host_move("offload", device_slots, host_rows)
         if not self.config.enabled:
             return
+        t0 = time.perf_counter()
         if self._host_views is not None and not device_slots.is_cuda and not host_rows.is_cuda:
             records, tags, host = self._host_views
             slots, rows = device_slots.numpy(), host_rows.numpy()
             moved = records[slots], tags[slots]  # both read before any row is written (a bad slot raises here)
             host[rows, :RECORD_BYTES], host[rows, RECORD_BYTES:] = moved
-            return
-        self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
+        else:
+            self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
+        self.totals.seconds += time.perf_counter() - t0
 
     def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at
         once. Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows."""
         self._check_host_move("load_back", device_slots, host_rows)
         if self.config.enabled:
+            t0 = time.perf_counter()
             self.import_rows(device_slots, self.host_rows[host_rows.cpu()])
+            self.totals.seconds += time.perf_counter() - t0
 
     def _check_host_move(self, op: str, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         if self.host_rows is None:
