@@ -1,19 +1,27 @@
 """Reference engine throughput with the canary on vs off, interleaved runs of one workload.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH] [--cuda-graph]
+                                      [--fresh-engines]
 
-Each repeat runs the same seeded workload once with the canary off and once per canary mode
-(log policy), alternating, and reports generated tokens per second; the ratio on/off is the
-figure. Every canary run must report zero violations (a clean workload). ``--cuda-graph`` runs
-decode steps as CUDA-graph replays (``EngineConfig.cuda_graph``), the canary captured with them.
-A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token truth as
-whole histories instead of the default (on CUDA: decode truth as appends, ``EngineConfig.truth_appends``).
+One engine per mode (canary off, then each canary mode, log policy) is built once and warmed up
+with a run of the timed workload's size (every kernel variant compiled, every decode size's graph
+captured, the prefix cache filled), as a served engine is before its first request. Each repeat
+then runs a fresh seeded workload on every engine, in an order rotated by one each repeat, and
+reports generated tokens per second; the ratio on/off is the figure, and the canary share is the
+canary's own time in that run over the run's wall time. Every canary run must report zero
+violations (a clean workload). ``--cuda-graph`` runs decode steps as CUDA-graph replays
+(``EngineConfig.cuda_graph``), the canary captured with them. ``--fresh-engines`` builds a new
+engine for every run instead (its captures and first calls timed with it), as this benchmark did
+before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token
+truth as whole histories instead of the default (on CUDA: decode truth as appends,
+``EngineConfig.truth_appends``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -49,7 +57,8 @@ def engine_options(cuda_graph: bool) -> dict:
     return {"cuda_graph": True, "graph_batch_sizes": (1, 2, 4, 8, 16, 24, 32)}
 
 
-def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:
+def build(mode: str, device: str, options: dict):
+    """(engine, hooks) for ``mode``; hooks is None with the canary off."""
     mc = ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
                      intermediate=768)
     kind, _, truth = mode.partition("/")
@@ -60,10 +69,19 @@ def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> di
     ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device,
                       **options)
     if MODES[kind] is None:
-        engine, hooks = Engine(mc, ec), None
-    else:
-        engine, hooks = attach_canary(lambda h: Engine(mc, ec, h),
-                                      CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=8))
+        return Engine(mc, ec), None
+    return attach_canary(lambda h: Engine(mc, ec, h),
+                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=8))
+
+
+def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:
+    """One timed run of ``prompts`` on a built engine; the canary's time and violations are this
+    run's (its totals' growth)."""
+    device = engine.config.device
+    totals = hooks.canary.totals if hooks is not None else None
+    seconds0, violations0 = (totals.seconds, totals.violations) if totals is not None else (0.0, 0)
+    steps0 = engine.stats.num_steps
+    gc.collect()  # each run starts without the last one's garbage
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -74,9 +92,15 @@ def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> di
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     tokens = sum(len(v) for v in out.values())
-    return {"mode": mode, "seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "steps": engine.stats.num_steps,
-            "violations": hooks.canary.totals.violations if hooks else 0,
-            "canary_seconds": hooks.canary.totals.seconds if hooks else 0.0}
+    return {"mode": mode, "seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt,
+            "steps": engine.stats.num_steps - steps0,
+            "violations": totals.violations - violations0 if totals is not None else 0,
+            "canary_seconds": totals.seconds - seconds0 if totals is not None else 0.0}
+
+
+def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:
+    """One run on a new engine (its graph captures and first calls timed with it)."""
+    return run_on(mode, *build(mode, device, options), prompts, max_new)
 
 
 def spread(xs: list[float]) -> dict:
@@ -95,6 +119,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="none,partial,all")
     ap.add_argument("--cuda-graph", action="store_true", help="decode steps as CUDA-graph replays (CUDA only)")
+    ap.add_argument("--fresh-engines", action="store_true",
+                    help="a new engine for every timed run (its captures and first calls timed with it)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
                     else None)
     args = ap.parse_args(argv)
@@ -102,17 +128,22 @@ def main(argv=None) -> None:
         sys.exit(f"--cuda-graph needs --device cuda, got --device {args.device}")
     options = engine_options(args.cuda_graph)
     torch.set_num_threads(1)
-    prompts = workload(512, args.requests)
     modes = ["off", *args.modes.split(",")]
-    for m in modes:  # warm-up (kernel compiles, graph captures)
-        run_once(m, args.device, prompts[:4], 4, options)
+    engines = {}
+    for m in modes:  # built and warmed up: kernels compiled, graphs captured, caches filled
+        engines[m] = build(m, args.device, options)
+        run_on(m, *engines[m], workload(512, args.requests, seed=1000), args.max_new_tokens)
     runs = []
     for k in range(args.repeats):  # each repeat runs every mode once, in an order rotated by one each repeat
         order = modes[k % len(modes):] + modes[: k % len(modes)]
-        runs += [dict(run_once(m, args.device, prompts, args.max_new_tokens, options), repeat=k) for m in order]
+        prompts = workload(512, args.requests, seed=k)
+        for m in order:
+            engine, hooks = build(m, args.device, options) if args.fresh_engines else engines[m]
+            runs.append(dict(run_on(m, engine, hooks, prompts, args.max_new_tokens), repeat=k))
     env = environment(torch.device(args.device))
     print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
           f"{args.repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
+          f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair")
     print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'canary share':>22} {'violations':>10}")
     off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
@@ -129,7 +160,8 @@ def main(argv=None) -> None:
         print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {fmt(share, 3):>22} {viol:10d}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph, "runs": runs,
+            json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph,
+                       "fresh_engines": args.fresh_engines, "runs": runs,
                        "summary": summary}, f, indent=1)
 
 
