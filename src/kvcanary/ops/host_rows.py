@@ -26,7 +26,17 @@ import torch
 
 from kvcanary.core.record import RECORD_BYTES, ROW_BYTES
 from kvcanary.errors import InputError
-from kvcanary.ops._common import Backend, cdiv, check_contiguous, check_len, check_tensor, tl, triton, use_triton
+from kvcanary.ops._common import (
+    Backend,
+    cdiv,
+    check_contiguous,
+    check_len,
+    check_same_device,
+    check_tensor,
+    tl,
+    triton,
+    use_triton,
+)
 from kvcanary.ops.launcher import Fixed, launch
 
 BLOCK = 256
@@ -47,8 +57,7 @@ def validate_export(records, source_tags, slots, rows, host) -> tuple[np.ndarray
     num_slots = records.shape[0]
     check_len("source_tags", source_tags, num_slots, "records rows")
     check_len("rows", rows, slots.shape[0], "len(slots)")
-    if source_tags.device != records.device:
-        raise InputError(f"source_tags is on {source_tags.device} but records on {records.device}")
+    check_same_device(records=records, source_tags=source_tags)
     for name, t in (("slots", slots), ("rows", rows), ("host", host)):
         if t.device.type != "cpu":
             raise InputError(f"{name} must be on the host (cpu), got {t.device}")
