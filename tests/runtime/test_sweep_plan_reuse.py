@@ -52,3 +52,44 @@ def test_a_sweep_over_the_entries_its_plan_holds_copies_nothing_and_still_report
     assert read_all(c, 5) == []
     runs[1] = SweepRun(runs[1].slots.clone(), runs[1].token_ids, keep, runs[1].prev_slot)  # another tensor
     assert c.sweep(runs) == n and loads == [n, 4, n, n]  # new arrays: loaded, though the values are the same
+
+
+@pytest.mark.parametrize("device,fused", PATHS)
+def test_a_sweep_that_holds_holds_every_slot_of_its_runs_whatever_its_budget(device, fused):
+    """``sweep(runs, hold=True)`` holds what ``hold`` of the runs' concatenated slots would: every
+    slot of every run (empty runs skipped), also when the budget lets the sweep verify only a few;
+    then a write into one of them is a READ_CONFLICT at the HEAD that follows."""
+    c, slots, tokens = prefilled(7, device, NUM_SLOTS, CTX, 12, 256, fused)
+    runs = [SweepRun(torch.tensor(s[1:], dtype=torch.int64), tuple(t[1:]), 1, s[0])
+            for s, t in zip(slots, tokens, strict=True)]
+    runs.insert(1, SweepRun(torch.zeros(0, dtype=torch.int64), (), 0))
+    every = torch.cat([r.slots for r in runs])
+    for budget in (None, 3 * c.entry_bytes(), 0):
+        c.held = None
+        c.sweep(runs, budget, hold=True)
+        assert c.held is not None and c.held.tolist() == every.tolist()
+    c.sweep([], hold=True)
+    assert c.held is not None and c.held.numel() == 0
+    free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
+    c.sweep(runs, hold=True)
+    assert _write(c, device, free[:2], 8) == []  # the clean twin: no write into a held slot
+    c.sweep(runs, hold=True)
+    target = slots[2][5]
+    found = _write(c, device, [free[2], target], 9)
+    conflicts = [(v.slot, v.point.name) for v in found if v.reasons & Reason.READ_CONFLICT]
+    assert conflicts == [(target, "HEAD")]
+
+
+def _write(c, device: str, slots: list[int], token: int) -> list:
+    """One forward of a new request in page-table row 1 (its table replaced) writing ``slots`` at
+    positions 0, 1, ...; the violations it reports."""
+    from kvcanary.runtime.batch import ForwardBatch
+
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)
+    table = torch.zeros(4, CTX, dtype=torch.int32)
+    table[1, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    b = ForwardBatch(i64([1]), i64([0]), i64([len(slots)]), table.to(device), i64([token] * len(slots)),
+                     i64(list(range(len(slots)))), i64(slots))
+    c.prepare_head(b)
+    c.launch_head(b)
+    return read_all(c, 10)

@@ -131,8 +131,8 @@ class CanaryHooks(EngineHooks):
     def before_forward(self, batch: ForwardBatch) -> None:
         if self.canary.sweep_due(self.step):
             runs = self.engine.prefix_cache_slots()  # SweepRuns already, each node's own slots and key
-            self.canary.sweep(runs)
-            self.canary.hold(_slots_of(runs))  # this step's HEAD: no write may land in an idle cached slot
+            # and held for this step's HEAD: no write may land in an idle cached slot
+            self.canary.sweep(runs, hold=True)
             if self.window_canary is not None:
                 wruns = window_runs(runs, self.engine.pool.window.translate(torch.arange(self.engine.config.num_slots)))
                 self.window_canary.sweep(wruns)

@@ -130,6 +130,13 @@ def _window_of(entries: np.ndarray) -> tuple | None:
     return base, entries.__array_interface__["data"][0], len(entries)
 
 
+def _slots_of_runs(runs: Sequence[SweepRun]) -> np.ndarray:
+    """Every slot of ``runs``, concatenated, as an int64 host array."""
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return torch.cat([r.slots.reshape(-1).to("cpu", torch.int64) for r in runs]).numpy()
+
+
 def fused_backend(fused: bool | None, device: torch.device) -> Backend | None:
     """Who runs HEAD and TAIL as one ``check_forward`` call each (``CanaryConfig.fused``): the Triton
     kernel on CUDA (or, ``fused=True``, interpreted on the CPU), the compiled CPU kernel on the CPU
@@ -189,6 +196,11 @@ class Canary:
         self._staging = torch.empty(5 * cap, dtype=torch.int32, pin_memory=True) if on_cuda else None
         self._landing = torch.empty(5 * cap, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
+        # CUDA: the held slots' pinned words, their device words and the event of their last copy (every
+        # slot at most once: a prefix cache holds each slot in one place)
+        self._held_words = (torch.empty(geometry.num_slots, dtype=torch.int64, pin_memory=True),
+                            torch.empty(geometry.num_slots, dtype=torch.int64, device=dev),
+                            torch.cuda.Event()) if on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -536,12 +548,29 @@ class Canary:
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
+        self._hold(slots)
+        self.totals.seconds += time.perf_counter() - t0
+
+    def _hold(self, slots: torch.Tensor) -> None:
         dev = self.state.device
         if dev.type != "cuda" or slots.is_cuda or torch.cuda.current_stream(dev).query():
             self.held = slots.to(dev, torch.int64).contiguous()
         else:  # pinned by torch's caching host allocator, which keeps the block until the copy has read it
             self.held = slots.reshape(-1).to(torch.int64).pin_memory().to(dev, non_blocking=True)
-        self.totals.seconds += time.perf_counter() - t0
+
+    def _hold_host(self, slots: np.ndarray) -> None:
+        """``hold`` of host slots (an int64 array nobody writes): on CUDA through the canary's own
+        pinned words into its own device words, one copy (the last one has long been read)."""
+        if self._held_words is None or len(slots) > self._held_words[0].shape[0]:
+            self._hold(torch.from_numpy(slots))
+            return
+        host, dev, event = self._held_words
+        n = len(slots)
+        event.synchronize()
+        host.numpy()[:n] = slots
+        self.held = dev[:n]
+        self.held.copy_(host[:n], non_blocking=True)
+        event.record()
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -550,16 +579,20 @@ class Canary:
         fp = sum(4 * s.words_read(self.config.real_kv) for s in self.sources)
         return 2 * RECORD_BYTES + 16 + fp
 
-    def sweep(self, runs: Sequence[SweepRun], budget_bytes: int | None = None) -> int:
+    def sweep(self, runs: Sequence[SweepRun], budget_bytes: int | None = None, *, hold: bool = False) -> int:
         """Verify up to the byte budget of ``runs`` (continuing where the last sweep stopped),
         fingerprints included. Always launches, even with nothing to sweep. Returns the number
-        of slots queued for checking."""
+        of slots queued for checking. ``hold``: also hold every slot of ``runs`` for the next HEAD
+        (``hold`` of their concatenation), taken from the entries the sweep built."""
         if not self.config.enabled:
             return 0
         t0 = time.perf_counter()
         budget = self.config.sweep_budget_bytes if budget_bytes is None else budget_bytes
         n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
         (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max, self._runs)
+        if hold:
+            every = self._runs.last
+            self._hold_host(every[0] if every is not None else _slots_of_runs(runs))
         window = _window_of(slot)
         held = self._plan_window
         if window is not None and held is not None and window[0] is held[0] and window[1:] == held[1:]:

@@ -34,6 +34,8 @@ def sweep_entries(runs: Sequence[SweepRun], cursor: int, max_entries: int, cache
     runs = [r for r in runs if r.slots.numel()]
     if not runs or max_entries <= 0:
         empty = np.zeros(0, dtype=np.int64)
+        if cache is not None:
+            cache.last = np.zeros((4, 0), dtype=np.int64) if not runs else None
         return (empty, empty, empty, empty), 0
     entries = (cache if cache is not None else RunCache()).joined(runs)
     total = entries.shape[1]
@@ -68,18 +70,22 @@ class RunCache:
     def __init__(self):
         self._kept: dict[int, tuple] = {}
         self._joined: tuple[list, np.ndarray] | None = None  # the last sweep's blocks and their concatenation
+        self.last: np.ndarray | None = None  # what the last ``joined`` returned
 
     def joined(self, runs: list[SweepRun]) -> np.ndarray:
         """The entries of ``runs`` (none empty) as one int64 [4, total] array: the last sweep's
         when its runs gave the same blocks in the same order (nothing writes these arrays)."""
         blocks = self.entries(runs)
         if len(blocks) == 1:
-            return blocks[0]
+            self.last = blocks[0]
+            return self.last
         last = self._joined
         if last is not None and len(last[0]) == len(blocks) and all(map(operator.is_, last[0], blocks)):
-            return last[1]
+            self.last = last[1]
+            return self.last
         out = np.concatenate(blocks, axis=1)
         self._joined = (blocks, out)
+        self.last = out
         return out
 
     def entries(self, runs: list[SweepRun]) -> list[np.ndarray]:
