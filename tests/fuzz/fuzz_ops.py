@@ -34,7 +34,6 @@ from kvcanary.ops._cpu import usable as numba_usable
 from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
-from kvcanary.ops.host_rows import export_host_rows
 from kvcanary.ops.landed import check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids
@@ -378,20 +377,10 @@ def case_landed(a, rng, m):
     return check_writes_landed, kw
 
 
-def case_export_host_rows(a, rng, m):
-    num_slots, num_rows, n = rint(rng, 1, 40), rint(rng, 1, 30), rint(rng, 0, 50)
-    return export_host_rows, dict(
-        records=a.t("records", [[rng.randrange(256) for _ in range(32)] for _ in range(num_slots)], torch.uint8),
-        source_tags=a.t("source_tags", [rng.randint(-(2**63), 2**63 - 1) for _ in range(num_slots)]),
-        slots=a.t("slots", [rng.randrange(num_slots) for _ in range(n)]),
-        rows=a.t("rows", [rng.randrange(num_rows) for _ in range(n)]),
-        host=a.t("host", [[rng.randrange(256) for _ in range(40)] for _ in range(num_rows)], torch.uint8))
-
-
 CASES: dict[str, Callable] = {"scatter": case_scatter, "gather": case_gather, "build_plan": case_plan,
                               "verify": case_verify, "stamp": case_stamp, "fingerprint": case_fingerprint,
                               "check_forward": case_check, "mark_writes": case_mark_writes,
-                              "check_writes_landed": case_landed, "export_host_rows": case_export_host_rows}
+                              "check_writes_landed": case_landed}
 INT_ARGS = {"gather": ["shift"], "build_plan": ["window"], "verify": ["tag"], "stamp": ["tag"],
             "check_forward": ["tag", "split", "window"], "check_writes_landed": ["tag"]}
 

@@ -329,15 +329,3 @@ def check_writes_landed(sources: list[RefSource], halves: list[int], out_cache_l
             first = (bits & -bits).bit_length() - 1
             rows.append([(tag & ~1) | halves[first], slot, pos, tok, -1, bits, 0, int(Reason.MISSED_WRITE)])
     return rows, landed
-
-
-# --- export_host_rows -------------------------------------------------------------------------
-
-def export_host_rows(records: list[list[int]], source_tags: list[int], slots: list[int], rows: list[int],
-                     host: list[list[int]]) -> list[list[int]]:
-    """For each entry in order: ``host[rows[i]]`` = the 32 record bytes of ``slots[i]``, then the 8
-    little-endian bytes of its side word (a later entry overwrites an earlier one's row)."""
-    out = [list(r) for r in host]
-    for s, r in zip(slots, rows, strict=True):
-        out[r] = list(records[s]) + list((source_tags[s] & MASK64).to_bytes(8, "little"))
-    return out

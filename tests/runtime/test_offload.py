@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvcanary.engine.canary_hooks import CanaryHooks
 from kvcanary.engine.engine import Engine
-from kvcanary.errors import KVCanaryError
 from kvcanary.runs.driver import run_workload
 
 from ._helpers import small_setup
@@ -28,15 +26,14 @@ class RoundTripHooks(CanaryHooks):
 
     def on_offload(self, device_slots, host_rows):
         super().on_offload(device_slots, host_rows)
-        # the copy to the host waits for the stream, the offload (a kernel on CUDA) included
-        records, kv = self.canary.export_rows(device_slots).cpu(), self.kv(device_slots).cpu()
+        records, kv = self.canary.export_rows(device_slots), self.kv(device_slots)
         assert torch.equal(self.canary.host_rows[host_rows], records), "host mirror != device records + side words"
         for i, row in enumerate(host_rows.tolist()):
             self.sent[row] = (records[i], kv[i])
 
     def on_load(self, host_rows, device_slots):
         super().on_load(host_rows, device_slots)
-        records, kv = self.canary.export_rows(device_slots).cpu(), self.kv(device_slots).cpu()
+        records, kv = self.canary.export_rows(device_slots), self.kv(device_slots)
         for i, row in enumerate(host_rows.tolist()):
             want_record, want_kv = self.sent[row]
             assert torch.equal(records[i], want_record), f"host row {row} -> slot {int(device_slots[i])}: record"
@@ -44,17 +41,11 @@ class RoundTripHooks(CanaryHooks):
             self.num_checked += 1
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_offload_and_load_back_keep_records_byte_equal(device):
-    setup = small_setup(num_requests=48, engine={"device": device})
+def test_offload_and_load_back_keep_records_byte_equal():
+    setup = small_setup(num_requests=48)
     hooks = RoundTripHooks(setup.canary)
     engine = Engine(setup.model, setup.engine, hooks)
     hooks.attach(engine)
-    # on CUDA the offload's kernel writes the pinned mirror (ops.host_rows), which this checks
-    assert hooks.canary._zero_copy is (device == "cuda")
     run_workload(engine, setup.workload)
     hooks.canary.flush(engine.step_index)
     stats = engine.stats
@@ -62,18 +53,3 @@ def test_offload_and_load_back_keep_records_byte_equal(device):
     assert hooks.canary.totals.violations == 0 and hooks.reports == []
     # every load-back was verified at once (SWEEP launches beyond the periodic sweeps)
     assert hooks.canary.counters()["SWEEP"]["launches"] > hooks.canary.totals.sweeps
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_an_offload_of_a_slot_outside_the_pool_is_refused_before_any_row_is_written():
-    setup = small_setup(num_requests=8, engine={"device": "cuda"})
-    hooks = CanaryHooks(setup.canary)
-    engine = Engine(setup.model, setup.engine, hooks)
-    hooks.attach(engine)
-    canary = hooks.canary
-    before = canary.host_rows.clone()
-    bad = torch.tensor([1, canary.state.num_slots, 2], device="cuda")
-    with pytest.raises(KVCanaryError, match=rf"offload device_slots\[1\] = {canary.state.num_slots} out of range"):
-        canary.offload(bad, torch.tensor([0, 1, 2]))
-    torch.cuda.synchronize()
-    assert torch.equal(canary.host_rows, before)

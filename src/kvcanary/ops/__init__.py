@@ -14,7 +14,6 @@ elsewhere). Every op is exported here under its public name; the modules are int
 | check_writes            | conflicts.py   | HEAD's write conflicts: duplicate targets, targets read/held |
 | mark_writes             | landed.py      | HEAD: mark the covered bytes of every write target           |
 | check_writes_landed     | landed.py      | TAIL: name the write targets that still hold their mark      |
-| export_host_rows        | host_rows.py   | offload: slots' records into pinned host rows, one kernel    |
 | BoundCheck              | check.py       | check_forward with a state's own arguments checked once      |
 | BoundMarks              | landed.py      | mark_writes into sources checked once                        |
 | BoundVerify             | verify.py      | verify of one plan checked once                              |
@@ -35,7 +34,6 @@ from kvcanary.ops.check import BoundCheck, check_forward
 from kvcanary.ops.conflicts import check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
-from kvcanary.ops.host_rows import export_host_rows
 from kvcanary.ops.landed import BoundMarks, check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import offsets_from_lengths, scatter_req_token_ids
@@ -59,7 +57,6 @@ __all__ = [
     "check_forward",
     "check_writes",
     "check_writes_landed",
-    "export_host_rows",
     "fingerprint",
     "gather_expected_tokens",
     "mark_writes",

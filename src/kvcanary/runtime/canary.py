@@ -44,7 +44,6 @@ from kvcanary.ops.check import BoundCheck, check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
-from kvcanary.ops.host_rows import export_fixed, export_host_rows, launch_export
 from kvcanary.ops.landed import BoundMarks, check_writes_landed, mark_writes
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
@@ -182,7 +181,6 @@ class Canary:
         self.request_names: Mapping[int, str] = {}  # engine request id -> the client's id, for the lines
         self.host_rows: torch.Tensor | None = None
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
-        self._zero_copy = False  # CUDA: offloads write the host rows from a kernel (``attach_host_tier``)
         self._sweep_cursor = 0
         self._runs = RunCache()  # the sweeps' runs as host arrays, kept while they are unchanged
         # the window of those arrays the sweep plan holds (``_window_of``): a sweep over the same
@@ -719,30 +717,6 @@ class Canary:
             self._host_views = (self.state.records.numpy(),
                                 self.state.source_tags.numpy().view(np.uint8).reshape(-1, ROW_BYTES - RECORD_BYTES),
                                 self.host_rows.numpy())
-        elif self.backend is Backend.TRITON:  # CUDA: one kernel writes the rows into the pinned mirror
-            self._offloaded = torch.cuda.Event()
-            self._offload_stage = torch.empty(2, num_rows + num_rows % 2, dtype=torch.int64, pin_memory=True)
-            self._export_fixed = export_fixed(self.state.records, self.state.source_tags, self.host_rows)
-            self._zero_copy = self._probe_zero_copy()
-
-    def _probe_zero_copy(self) -> bool:
-        """Compile the offload kernel and check that its row lands in pinned memory whole (False:
-        this device cannot write host-mapped memory; offloads copy instead)."""
-        scratch = torch.full((1, ROW_BYTES), 0xA5, dtype=torch.uint8, pin_memory=True)
-        stage = self._offload_stage
-        stage[:, :1] = 0  # slot 0 into row 0
-        try:
-            export_host_rows(records=self.state.records, source_tags=self.state.source_tags, slots=stage[0, :1],
-                             rows=stage[1, :1], host=scratch, backend=Backend.TRITON)
-            torch.cuda.synchronize(self.state.device)
-        except Exception:  # noqa: BLE001 - no host-mapped pinned memory on this device: copies serve
-            return False
-        return torch.equal(scratch[0], self.export_rows(torch.zeros(1, dtype=torch.int64)).cpu()[0])
-
-    def _host_rows_ready(self) -> None:
-        """Wait for the last offload kernel's writes into the host mirror (long done: a step old)."""
-        if self._zero_copy:
-            self._offloaded.synchronize()
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
@@ -756,37 +730,9 @@ class Canary:
             slots, rows = device_slots.numpy(), host_rows.numpy()
             moved = records[slots], tags[slots]  # both read before any row is written (a bad slot raises here)
             host[rows, :RECORD_BYTES], host[rows, RECORD_BYTES:] = moved
-        elif self._zero_copy:
-            self._offload_zero_copy(device_slots, host_rows)
         else:
-            self._host_rows_ready()
             self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
         self.totals.seconds += time.perf_counter() - t0
-
-    def _offload_zero_copy(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """CUDA: the slots and rows into pinned words, then one kernel writes the rows straight into
-        the pinned mirror (``ops.host_rows``), behind the checks already queued: no staging copy of
-        the rows and no sync (slots on the device: one small copy to the host first)."""
-        n = device_slots.numel()
-        self._offloaded.synchronize()  # the last offload's kernel has read the staged words
-        if n > self._offload_stage.shape[1]:
-            self._offload_stage = torch.empty(2, n + n % 2, dtype=torch.int64, pin_memory=True)
-        stage = self._offload_stage
-        words = stage.numpy()
-        words[0, :n] = device_slots.cpu().numpy() if device_slots.is_cuda else device_slots.numpy()
-        words[1, :n] = host_rows.cpu().numpy() if host_rows.is_cuda else host_rows.numpy()
-        if not n:
-            return
-        slots = words[0, :n]
-        lo, hi = int(slots.min()), int(slots.max())  # the rows were checked (``_check_host_move``)
-        if lo < 0 or hi >= self.state.num_slots:
-            i = int(np.flatnonzero((slots < 0) | (slots >= self.state.num_slots))[0])
-            raise KVCanaryError(f"offload device_slots[{i}] = {int(slots[i])} out of range "
-                                f"[0, {self.state.num_slots})")
-        self.join()
-        launch_export(self.state.records, self.state.source_tags, stage[0, :n], stage[1, :n], self.host_rows, True,
-                      self._export_fixed)
-        self._offloaded.record()
 
     def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Records follow K/V from host row ``host_rows[i]`` back to ``device_slots[i]``; verified at
@@ -794,7 +740,6 @@ class Canary:
         self._check_host_move("load_back", device_slots, host_rows)
         if self.config.enabled:
             t0 = time.perf_counter()
-            self._host_rows_ready()
             self.import_rows(device_slots, self.host_rows[host_rows.cpu()])
             self.totals.seconds += time.perf_counter() - t0
 
