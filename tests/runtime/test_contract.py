@@ -128,6 +128,36 @@ def test_rows_travel_with_their_side_words_and_foreign_rows_are_refused():
     assert torch.equal(canary.state.records, before)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_moved_rows_name_a_slot_outside_the_pool_before_anything_is_read_or_written(device):
+    """export_rows, land_rows, import_rows, offload and load_back refuse a slot outside the pool,
+    naming the call, the argument, the entry and the range, with records, side words and the host
+    mirror untouched (on CUDA the gathers would stop the device on it)."""
+    canary = Canary(CanaryConfig(), PoolGeometry(num_slots=41, rows=4, max_ctx=16, device=device))
+    canary.attach_host_tier(8)
+    gen = torch.Generator().manual_seed(9)
+    canary.state.records.copy_(torch.randint(0, 256, canary.state.records.shape, dtype=torch.uint8, generator=gen))
+    rows = canary.export_rows(torch.tensor([3, 7], device=device))
+    state = [canary.state.records.clone(), canary.state.source_tags.clone(), canary.host_rows.clone()]
+    slots = lambda *v: torch.tensor(v, device=device)
+    calls = [(lambda: canary.export_rows(slots(3, 41)), r"export_rows slots\[1\] = 41 out of range \[0, 41\)"),
+             (lambda: canary.land_rows(slots(-1, 7), rows), r"land_rows slots\[0\] = -1 out of range \[0, 41\)"),
+             (lambda: canary.import_rows(slots(5, 99), rows), r"import_rows slots\[1\] = 99 out of range"),
+             (lambda: canary.offload(slots(3, 41), torch.tensor([0, 1])),
+              r"offload device_slots\[1\] = 41 out of range \[0, 41\)"),
+             (lambda: canary.load_back(torch.tensor([0, 1]), slots(2**40, 7)),
+              r"load_back device_slots\[0\] = 1099511627776 out of range")]
+    for call, message in calls:
+        with pytest.raises(KVCanaryError, match=message):
+            call()
+    after = [canary.state.records, canary.state.source_tags, canary.host_rows]
+    assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+    with pytest.raises(KVCanaryError, match=r"export_rows slots must be an integer tensor of slots, got "
+                       r"torch.float32 tensor"):
+        canary.export_rows(torch.tensor([1.0]))
+
+
 TENSOR_FIELDS = ["req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions",
                  "out_cache_loc", "truth_ids", "truth_offsets"]
 

@@ -661,9 +661,34 @@ class Canary:
         host[4] = host[0]
         return words
 
+    def _check_slots(self, op: str, name: str, slots: torch.Tensor) -> None:
+        """KVCanaryError naming the first of ``slots`` outside the pool, before anything is read or
+        written (the gathers would stop the device on it; slots on CUDA: one reduction and one
+        small copy to the host)."""
+        if not isinstance(slots, torch.Tensor) or slots.is_floating_point() or slots.is_complex():
+            got = f"{slots.dtype} tensor" if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise KVCanaryError(f"{op} {name} must be an integer tensor of slots, got {got}")
+        if not slots.numel():
+            return
+        n = self.state.num_slots
+        if slots.is_cuda:
+            lo, hi = torch.stack(torch.aminmax(slots.reshape(-1))).tolist()
+        else:  # numpy: no torch dispatch on the CPU's offload path
+            v = slots.numpy()
+            lo, hi = int(v.min()), int(v.max())
+        if lo < 0 or hi >= n:
+            flat = slots.reshape(-1)
+            i = int(torch.nonzero((flat < 0) | (flat >= n))[0])
+            raise KVCanaryError(f"{op} {name}[{i}] = {int(flat[i])} out of range [0, {n}) (this pool's slots)")
+
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
-        source-tag side word) to travel with their K/V."""
+        source-tag side word) to travel with their K/V. Raises KVCanaryError for a slot outside
+        the pool."""
+        self._check_slots("export_rows", "slots", slots)
+        return self._export(slots)
+
+    def _export(self, slots: torch.Tensor) -> torch.Tensor:
         self.join()
         index = slots.to(self.state.device)
         tags = self.state.source_tags[index].view(torch.uint8).view(-1, ROW_BYTES - RECORD_BYTES)
@@ -671,7 +696,12 @@ class Canary:
 
     def land_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows of ``export_rows`` into ``slots`` (records and side words), unverified.
-        Raises KVCanaryError for rows that are not uint8[len(slots), ROW_BYTES]."""
+        Raises KVCanaryError for rows that are not uint8[len(slots), ROW_BYTES] and for a slot
+        outside the pool, before anything is written."""
+        self._check_slots("land_rows", "slots", slots)
+        self._land(slots, rows)
+
+    def _land(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         n = slots.numel()
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (n, ROW_BYTES):
             got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
@@ -686,7 +716,11 @@ class Canary:
     def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows that travelled with K/V (``export_rows``) into ``slots`` (the stamps are
         content-only, so they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
-        self.land_rows(slots, rows)
+        self._check_slots("import_rows", "slots", slots)
+        self._import(slots, rows)
+
+    def _import(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._land(slots, rows)
         self.incidents.note(self._meta.step, slots, "rewritten")
         # rows on the host: the first landed position read there (the same bytes), not from the device
         first = int(rows[0, 8:16].numpy().view(np.int64)[0]) if len(rows) and not rows.is_cuda else None
@@ -731,7 +765,7 @@ class Canary:
             moved = records[slots], tags[slots]  # both read before any row is written (a bad slot raises here)
             host[rows, :RECORD_BYTES], host[rows, RECORD_BYTES:] = moved
         else:
-            self.host_rows[host_rows.cpu()] = self.export_rows(device_slots).cpu()
+            self.host_rows[host_rows.cpu()] = self._export(device_slots).cpu()
         self.totals.seconds += time.perf_counter() - t0
 
     def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
@@ -740,7 +774,7 @@ class Canary:
         self._check_host_move("load_back", device_slots, host_rows)
         if self.config.enabled:
             t0 = time.perf_counter()
-            self.import_rows(device_slots, self.host_rows[host_rows.cpu()])
+            self._import(device_slots, self.host_rows[host_rows.cpu()])
             self.totals.seconds += time.perf_counter() - t0
 
     def _check_host_move(self, op: str, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
@@ -761,6 +795,7 @@ class Canary:
             if lo < 0 or hi >= self.host_rows.shape[0]:
                 raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
                                     f"num_rows), got values in [{lo}, {hi}]")
+        self._check_slots(op, "device_slots", device_slots)
 
     def slots_freed(self, slots: torch.Tensor) -> None:
         """The engine returned ``slots`` (int64[n]) to its allocator: their open incidents close,
