@@ -1,0 +1,129 @@
+"""Where the warmed reference engine's host time goes, canary off against on, part by part.
+
+    PYTHONPATH=src python3 benchmarks/engine_phases.py [--device cuda|cpu] [--runs 4]
+
+Builds one engine per mode (off, partial, none; ``bench_engine.py``'s workload of 96 requests x
+32 new tokens, graph-captured decode on CUDA), warms each up with a run, then times ``--runs``
+interleaved runs per mode with timers around the engine's own parts (scheduling, the batch, the
+graph load and replay, the eager forward, sampling, delivery, the host tier's offload), its hooks,
+the canary's calls and the sweep's parts, plus Python's garbage collections. A part that grows
+with the canary on although the canary's own timers do not cover it is a cost of the canary that
+its share leaves out. Prints, per part and mode: total ms a run, median µs a call and calls a
+run; on CUDA, then each captured decode graph replayed alone (device-bound, µs a replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_engine as be  # noqa: E402
+import kvcanary.engine.engine as engine_module  # noqa: E402
+import kvcanary.runtime.canary as canary_module  # noqa: E402
+from kvcanary.runtime import sweep as sweep_module  # noqa: E402
+
+MODES = ("off", "partial", "none")
+CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back")
+HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "on_offload",
+         "on_load", "on_free")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--runs", type=int, default=4)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    built = {m: be.build(m, args.device, be.engine_options(args.device == "cuda")) for m in MODES}
+    for m in MODES:
+        be.run_on(m, *built[m], be.workload(512, 96, seed=1000), 32)
+    acc = {m: collections.defaultdict(list) for m in MODES}
+    mode = [None]  # the mode being timed; None: nothing is recorded (a run's own set-up)
+
+    def timed(f, label):
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                if mode[0] is not None:
+                    acc[mode[0]][label].append(time.perf_counter() - t)
+        return g
+
+    started = [0.0]
+
+    def collections_timed(phase, info):
+        if mode[0] is None:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            acc[mode[0]][f"gc gen{info['generation']}"].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(collections_timed)
+    engine_module.build_forward_batch = timed(engine_module.build_forward_batch, "build_forward_batch")
+    canary_module.sweep_entries = timed(canary_module.sweep_entries, "sweep_entries")
+    for n in ("_load_sweep_plan", "_staged", "_verify_sweep_plan"):
+        setattr(canary_module.Canary, n, timed(getattr(canary_module.Canary, n), f"Canary.{n}"))
+    for n in ("entries", "joined"):
+        setattr(sweep_module.RunCache, n, timed(getattr(sweep_module.RunCache, n), f"RunCache.{n}"))
+    for m in MODES:
+        eng, hooks = built[m]
+        eng.step = timed(eng.step, "Engine.step")
+        eng._device_step = timed(eng._device_step, "eager _device_step")
+        for owner, prefix, names in ((eng.scheduler, "", ("schedule", "postprocess")), (eng.sampler, "", ("sample",)),
+                                     (eng.delivery, "delivery.", ("sampled", "advance")), (eng.hooks, "hooks.", HOOKS),
+                                     (eng.graphs, "graphs.", ("load", "replay")),
+                                     (eng.host_tier, "host_tier.", ("offload", "load"))):
+            for n in names if owner is not None else ():
+                if hasattr(owner, n):
+                    setattr(owner, n, timed(getattr(owner, n), prefix + n))
+        if hooks is not None:
+            eng.prefix_cache_slots = timed(eng.prefix_cache_slots, "prefix_cache_slots")
+            for n in CANARY_CALLS:
+                setattr(hooks.canary, n, timed(getattr(hooks.canary, n), f"canary.{n}"))
+    walls = collections.defaultdict(list)
+    for k in range(args.runs):
+        for m in MODES[k % len(MODES):] + MODES[: k % len(MODES)]:
+            mode[0] = m
+            r = be.run_on(m, *built[m], be.workload(512, 96, seed=k), 32)
+            mode[0] = None
+            walls[m].append((round(r["seconds"], 3), r["steps"], round(r["canary_seconds"], 4)))
+    for m in MODES:
+        print(f"{m} runs (s, steps, canary s): {walls[m]}")
+    print(f"{'part (per run, ms; median us)':<28}" + "".join(f"{m:>22}" for m in MODES))
+    for label in sorted(set().union(*(acc[m].keys() for m in MODES))):
+        row = f"{label:<28}"
+        for m in MODES:
+            ts = acc[m].get(label, [])
+            row += f"{sum(ts) / args.runs * 1e3:10.2f} {statistics.median(ts) * 1e6 if ts else 0:8.1f} " \
+                   f"{len(ts) // args.runs:3d}"
+        print(row)
+    if args.device != "cuda":
+        return
+    print("graph replay, device-bound loop (us per replay):")
+    for m in MODES:
+        graphs, row = built[m][0].graphs, []
+        for bs in sorted(graphs.captured):
+            g = graphs.captured[bs].graph
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(200):
+                g.replay()
+            torch.cuda.synchronize()
+            row.append(f"bs{bs}:{(time.perf_counter() - t) / 200 * 1e6:.1f}")
+        print(m, " ".join(row))
+
+
+if __name__ == "__main__":
+    main()
