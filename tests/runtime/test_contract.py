@@ -153,9 +153,14 @@ def test_moved_rows_name_a_slot_outside_the_pool_before_anything_is_read_or_writ
             call()
     after = [canary.state.records, canary.state.source_tags, canary.host_rows]
     assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
-    with pytest.raises(KVCanaryError, match=r"export_rows slots must be an integer tensor of slots, got "
-                       r"torch.float32 tensor"):
-        canary.export_rows(torch.tensor([1.0]))
+    for t in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1], dtype=torch.uint8)):  # a mask, not slots
+        with pytest.raises(KVCanaryError, match=rf"export_rows slots must be a tensor of signed integer slots "
+                           rf"\(int64, int32, int16 or int8\), got {t.dtype} tensor"):
+            canary.export_rows(t.to(device))
+    # int32 and int16 slots are checked as well: a negative one would index from the end
+    for dtype in (torch.int32, torch.int16):
+        with pytest.raises(KVCanaryError, match=r"export_rows slots\[0\] = -2 out of range \[0, 41\)"):
+            canary.export_rows(torch.tensor([-2, 3], dtype=dtype, device=device))
 
 
 TENSOR_FIELDS = ["req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions",

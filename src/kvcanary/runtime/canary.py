@@ -129,6 +129,25 @@ def _window_of(entries: np.ndarray) -> tuple | None:
     return base, entries.__array_interface__["data"][0], len(entries)
 
 
+_SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def _outside(t: torch.Tensor, n: int) -> bool:
+    """Whether an integer of ``t`` (one of ``_SLOT_DTYPES``) lies outside [0, n). On the host, for
+    64- and 32-bit words, one reduction of the words as unsigned: a negative one wraps above any
+    n they can address. On CUDA: one reduction and one small copy."""
+    if not t.numel():
+        return False
+    if t.is_cuda:
+        return bool(((t < 0) | (t >= n)).any())
+    v = t.numpy()
+    if v.itemsize == 8:
+        return int(v.view(np.uint64).max()) >= n
+    if v.itemsize == 4 and n <= 1 << 31:
+        return int(v.view(np.uint32).max()) >= n
+    return int(v.min()) < 0 or int(v.max()) >= n
+
+
 def _slots_of_runs(runs: Sequence[SweepRun]) -> np.ndarray:
     """Every slot of ``runs``, concatenated, as an int64 host array."""
     if not runs:
@@ -663,23 +682,18 @@ class Canary:
 
     def _check_slots(self, op: str, name: str, slots: torch.Tensor) -> None:
         """KVCanaryError naming the first of ``slots`` outside the pool, before anything is read or
-        written (the gathers would stop the device on it; slots on CUDA: one reduction and one
-        small copy to the host)."""
-        if not isinstance(slots, torch.Tensor) or slots.is_floating_point() or slots.is_complex():
+        written (the gathers would stop the device on it, and a negative slot would index from the
+        end; slots on CUDA: one reduction and one small copy to the host)."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES:
             got = f"{slots.dtype} tensor" if isinstance(slots, torch.Tensor) else type(slots).__name__
-            raise KVCanaryError(f"{op} {name} must be an integer tensor of slots, got {got}")
-        if not slots.numel():
-            return
+            raise KVCanaryError(f"{op} {name} must be a tensor of signed integer slots (int64, int32, int16 or "
+                                f"int8), got {got}")
         n = self.state.num_slots
-        if slots.is_cuda:
-            lo, hi = torch.stack(torch.aminmax(slots.reshape(-1))).tolist()
-        else:  # numpy: no torch dispatch on the CPU's offload path
-            v = slots.numpy()
-            lo, hi = int(v.min()), int(v.max())
-        if lo < 0 or hi >= n:
-            flat = slots.reshape(-1)
-            i = int(torch.nonzero((flat < 0) | (flat >= n))[0])
-            raise KVCanaryError(f"{op} {name}[{i}] = {int(flat[i])} out of range [0, {n}) (this pool's slots)")
+        if not _outside(slots, n):
+            return
+        flat = slots.reshape(-1)
+        i = int(torch.nonzero((flat < 0) | (flat >= n))[0])
+        raise KVCanaryError(f"{op} {name}[{i}] = {int(flat[i])} out of range [0, {n}) (this pool's slots)")
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
@@ -789,12 +803,10 @@ class Canary:
         if device_slots.shape != host_rows.shape:
             raise KVCanaryError(f"{op} device_slots length {device_slots.numel()} != host_rows length "
                                 f"{host_rows.numel()}; pass one host row per slot")
-        if host_rows.numel():
-            h = host_rows if host_rows.is_cuda else host_rows.numpy()
-            lo, hi = int(h.min()), int(h.max())
-            if lo < 0 or hi >= self.host_rows.shape[0]:
-                raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
-                                    f"num_rows), got values in [{lo}, {hi}]")
+        if _outside(host_rows, self.host_rows.shape[0]):
+            lo, hi = int(host_rows.min()), int(host_rows.max())
+            raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
+                                f"num_rows), got values in [{lo}, {hi}]")
         self._check_slots(op, "device_slots", device_slots)
 
     def slots_freed(self, slots: torch.Tensor) -> None:
