@@ -62,10 +62,6 @@ def _runs(mask: torch.Tensor) -> list[slice]:
     return out
 
 
-def _slots_of(runs: Sequence) -> torch.Tensor:
-    return torch.cat([r.slots.to("cpu", torch.int64) for r in runs]) if runs else torch.zeros(0, dtype=torch.int64)
-
-
 def window_runs(runs: Sequence, lut: torch.Tensor) -> list[SweepRun]:
     """Sweep runs of the window pool: the stretches of ``runs`` (full-pool cached runs) whose
     slots still hold a window slot, translated through ``lut`` (int64, CPU)."""
@@ -135,8 +131,7 @@ class CanaryHooks(EngineHooks):
             self.canary.sweep(runs, hold=True)
             if self.window_canary is not None:
                 wruns = window_runs(runs, self.engine.pool.window.translate(torch.arange(self.engine.config.num_slots)))
-                self.window_canary.sweep(wruns)
-                self.window_canary.hold(_slots_of(wruns))
+                self.window_canary.sweep(wruns, hold=True)
         for canary, b in self._canaries(batch):
             canary.prepare_head(b)
 
