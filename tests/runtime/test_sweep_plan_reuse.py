@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcanary.core.record import FINGERPRINT, Reason, record_words
+from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.sweep import SweepRun
 
 from ._helpers import prefilled, read_all
@@ -70,6 +71,10 @@ def test_a_sweep_that_holds_holds_every_slot_of_its_runs_whatever_its_budget(dev
         assert c.held is not None and c.held.tolist() == every.tolist()
     c.sweep([], hold=True)
     assert c.held is not None and c.held.numel() == 0
+    held = c.held
+    with pytest.raises(KVCanaryError, match=r"sweep hold must be True or False, got 1"):
+        c.sweep(runs, hold=1)
+    assert c.held is held  # refused before the sweep did anything
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
     c.sweep(runs, hold=True)
     assert _write(c, device, free[:2], 8) == []  # the clean twin: no write into a held slot

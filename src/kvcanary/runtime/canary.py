@@ -601,6 +601,8 @@ class Canary:
         fingerprints included. Always launches, even with nothing to sweep. Returns the number
         of slots queued for checking. ``hold``: also hold every slot of ``runs`` for the next HEAD
         (``hold`` of their concatenation), taken from the entries the sweep built."""
+        if type(hold) is not bool:
+            raise KVCanaryError(f"sweep hold must be True or False, got {hold!r}")
         if not self.config.enabled:
             return 0
         t0 = time.perf_counter()
