@@ -103,6 +103,18 @@ def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> di
     return run_on(mode, *build(mode, device, options), prompts, max_new)
 
 
+def timed(f, label: str, record):
+    """``f`` wrapped: each call's wall seconds go to ``record(label, seconds)`` (the timing scripts'
+    one wrapper)."""
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            record(label, time.perf_counter() - t)
+    return g
+
+
 def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 

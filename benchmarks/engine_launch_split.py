@@ -40,13 +40,7 @@ def main() -> None:
     busy: dict[str, list[bool]] = collections.defaultdict(list)
 
     def timed(f, label):
-        def g(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                acc[label].append(time.perf_counter() - t)
-        return g
+        return be.timed(f, label, lambda name, seconds: acc[name].append(seconds))
 
     kept = 0
     for k in launcher._kernels.values():

@@ -48,15 +48,12 @@ def main(argv=None) -> None:
     acc = {m: collections.defaultdict(list) for m in MODES}
     mode = [None]  # the mode being timed; None: nothing is recorded (a run's own set-up)
 
+    def record(label: str, seconds: float) -> None:
+        if mode[0] is not None:
+            acc[mode[0]][label].append(seconds)
+
     def timed(f, label):
-        def g(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                if mode[0] is not None:
-                    acc[mode[0]][label].append(time.perf_counter() - t)
-        return g
+        return be.timed(f, label, record)
 
     started = [0.0]
 
