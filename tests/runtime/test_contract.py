@@ -157,6 +157,8 @@ def test_moved_rows_name_a_slot_outside_the_pool_before_anything_is_read_or_writ
         with pytest.raises(KVCanaryError, match=rf"export_rows slots must be a tensor of signed integer slots "
                            rf"\(int64, int32, int16 or int8\), got {t.dtype} tensor"):
             canary.export_rows(t.to(device))
+    with pytest.raises(KVCanaryError, match=r"verify_landed first_position must be an int or None, got 2.0"):
+        canary.verify_landed(slots(3, 4), 2.0)
     # int32 and int16 slots are checked as well: a negative one would index from the end
     for dtype in (torch.int32, torch.int16):
         with pytest.raises(KVCanaryError, match=r"export_rows slots\[0\] = -2 out of range \[0, 41\)"):

@@ -747,6 +747,8 @@ class Canary:
         and its fingerprint; the first one's link is checked by the next HEAD that reads it.
         ``first_position``: the position the first landed record holds, where the caller has its
         bytes on the host (else it is read from the device)."""
+        if first_position is not None and type(first_position) is not int:
+            raise KVCanaryError(f"verify_landed first_position must be an int or None, got {first_position!r}")
         if not self.config.enabled or slots.numel() == 0:
             return 0
         s = slots.reshape(-1).to("cpu", torch.int64).numpy()
