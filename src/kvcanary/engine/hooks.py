@@ -48,10 +48,12 @@ class EngineHooks:
         """Once per step that ran a forward, after sampling and finishing requests."""
 
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Right after K/V of ``device_slots[i]`` was copied to host row ``host_rows[i]``, all layers."""
+        """Right after K/V of ``device_slots[i]`` was copied to host row ``host_rows[i]``, all layers
+        (both int64 on the host: the slots of the device pool, as the host tier keeps them)."""
 
     def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Right after K/V of host row ``host_rows[i]`` was copied into ``device_slots[i]``, all layers."""
+        """Right after K/V of host row ``host_rows[i]`` was copied into ``device_slots[i]``, all layers
+        (both int64 on the host)."""
 
     def on_free(self, slots: torch.Tensor) -> None:
         """Right after ``slots`` returned to the allocator (they may be handed out again)."""

@@ -274,13 +274,16 @@ class KVPool(KVPoolBase):
         self._free_rows.append(row)
 
     def copy_to_host(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Full layers from ``slots``; window layers from the window slots of those that have one."""
-        slots, host_rows = slots.to(self.device, torch.int64), host_rows.to("cpu", torch.int64)
+        """Full layers from ``slots``; window layers from the window slots of those that have one.
+        The hooks get the slots on the host (as the host tier keeps them): a canary checks and
+        indexes them there, with no copy back from the device."""
+        host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
+        slots = host_slots.to(self.device)
         for x in self.full_layers:
             self.host_k[x, host_rows] = self.k_buffers[x][slots].cpu()
             self.host_v[x, host_rows] = self.v_buffers[x][slots].cpu()
         if self.window is not None:
-            win = self.window.translate(slots)
+            win = self.window.translate(host_slots)
             has = win > 0
             self.host_has_window[host_rows] = has
             if bool(has.any()):
@@ -288,23 +291,25 @@ class KVPool(KVPoolBase):
                 for x in self.window.layers:
                     self.host_k[x, rows] = self.k_buffers[x][src].cpu()
                     self.host_v[x, rows] = self.v_buffers[x][src].cpu()
-        self.hooks.on_offload(slots, host_rows)
+        self.hooks.on_offload(host_slots, host_rows)
 
     def copy_from_host(self, host_rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Full layers into ``slots``; window layers into fresh window slots for the rows that hold
-        window K/V, when the window pool has room for all of them (else they get none)."""
-        slots, host_rows = slots.to(self.device, torch.int64), host_rows.to("cpu", torch.int64)
+        window K/V, when the window pool has room for all of them (else they get none). The hooks
+        get the slots on the host, as ``copy_to_host``'s do."""
+        host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
+        slots = host_slots.to(self.device)
         for x in self.full_layers:
             self.k_buffers[x][slots] = self.host_k[x, host_rows].to(self.device)
             self.v_buffers[x][slots] = self.host_v[x, host_rows].to(self.device)
         if self.window is not None:
             want = self.host_has_window[host_rows]
-            if bool(want.any()) and self.window.map(slots.cpu()[want]):
-                dst, rows = self.window.translate(slots.cpu()[want]).to(self.device), host_rows[want]
+            if bool(want.any()) and self.window.map(host_slots[want]):
+                dst, rows = self.window.translate(host_slots[want]).to(self.device), host_rows[want]
                 for x in self.window.layers:
                     self.k_buffers[x][dst] = self.host_k[x, rows].to(self.device)
                     self.v_buffers[x][dst] = self.host_v[x, rows].to(self.device)
-        self.hooks.on_load(host_rows, slots)
+        self.hooks.on_load(host_rows, host_slots)
 
     def check_integrity(self, owned: Sequence[torch.Tensor], used_rows: Sequence[int]) -> None:
         num_pages, ps = self.config.num_pages, self.page_size

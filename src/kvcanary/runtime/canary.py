@@ -135,11 +135,12 @@ _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 def _outside(t: torch.Tensor, n: int) -> bool:
     """Whether an integer of ``t`` (one of ``_SLOT_DTYPES``) lies outside [0, n). On the host, for
     64- and 32-bit words, one reduction of the words as unsigned: a negative one wraps above any
-    n they can address. On CUDA: one reduction and one small copy."""
+    n they can address. On CUDA: one reduction (the least and the largest), one small copy."""
     if not t.numel():
         return False
     if t.is_cuda:
-        return bool(((t < 0) | (t >= n)).any())
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        return lo < 0 or hi >= n
     v = t.numpy()
     if v.itemsize == 8:
         return int(v.view(np.uint64).max()) >= n
@@ -772,7 +773,9 @@ class Canary:
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
-        Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows."""
+        Raises KVCanaryError without a host tier (``attach_host_tier``) or for mismatched rows.
+        Slots on the host cost less on CUDA: their range check reads them there (on the device it
+        waits for a reduction and its copy back)."""
         self._check_host_move("offload", device_slots, host_rows)
         if not self.config.enabled:
             return
