@@ -101,14 +101,36 @@ def test_host_round_trip_is_byte_equal(page_size):
     src = pool.alloc(2 * page_size)
     for buf in pool.k_buffers + pool.v_buffers:
         buf[src] = torch.randn(len(src), *buf.shape[1:], generator=gen, dtype=buf.dtype)
+    # rows that move with the K/V in the same copy (a canary's records): random bytes, 5 a slot
+    side = (torch.randint(0, 256, (pool.num_slots, 5), dtype=torch.uint8, generator=gen),
+            torch.zeros(16, 5, dtype=torch.uint8))
+    pool.move_with_kv([side])
     before = [buf[src].clone() for buf in pool.k_buffers + pool.v_buffers]
+    side_before = side[0][src].clone()
     rows = torch.randperm(16, generator=gen)[: len(src)]
     pool.copy_to_host(src, rows)
+    assert torch.equal(side[1][rows], side_before)
     dst = pool.alloc(2 * page_size)
     pool.copy_from_host(rows, dst)
     for buf, old in zip(pool.k_buffers + pool.v_buffers, before, strict=True):
         assert torch.equal(buf[dst].view(torch.uint8), old.view(torch.uint8))
         assert bool(old.abs().sum() > 0)
+    assert torch.equal(side[0][dst], side_before) and bool(side_before.sum() > 0)
     assert hooks.names() == ["on_offload", "on_load"]
     assert hooks.events[0][1][0].tolist() == src.tolist() and hooks.events[0][1][1].tolist() == rows.tolist()
     assert hooks.events[1][1][0].tolist() == rows.tolist() and hooks.events[1][1][1].tolist() == dst.tolist()
+
+
+def test_rows_that_move_with_the_kv_must_fit_the_pool_and_the_host_tier():
+    pool = make_pool(page_size=4, host=16)
+    n = pool.num_slots
+    bad = [((torch.zeros(n, 4, dtype=torch.uint8), torch.zeros(15, 4, dtype=torch.uint8)),
+            r"pairs\[0\]: want uint8\[host_tier_slots = 16, w\] on cpu, got torch.uint8\[15, 4\] on cpu"),
+           ((torch.zeros(n, 4, dtype=torch.int32), torch.zeros(16, 4, dtype=torch.uint8)),
+            rf"pairs\[0\]: want uint8\[num_slots = {n}, w\] on cpu, got torch.int32\[{n}, 4\] on cpu"),
+           ((torch.zeros(n, 4, dtype=torch.uint8), torch.zeros(16, 8, dtype=torch.uint8)),
+            r"pairs\[0\]: device rows of 4 bytes != host rows of 8")]
+    for pair, message in bad:
+        with pytest.raises(ValueError, match=message):
+            pool.move_with_kv([pair])
+    assert len(pool._moved) == 2 * len(pool.full_layers)  # nothing was added

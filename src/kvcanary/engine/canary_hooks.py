@@ -98,6 +98,8 @@ class CanaryHooks(EngineHooks):
         engine.delivery.lag = self.canary.reporter.lag  # tokens wait until their step's report was read
         if engine.host_tier is not None:
             self.canary.attach_host_tier(cfg.host_tier_slots)
+            # the records travel in the pool's own copy of the K/V rows (one gather, one copy a move)
+            engine.pool.move_with_kv(self.canary.row_pairs())
         window = engine.pool.window
         if window is not None:
             wgeo = PoolGeometry(window.num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device))
@@ -212,7 +214,7 @@ class CanaryHooks(EngineHooks):
         self.step = step_index + 1
 
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        self.canary.offload(device_slots, host_rows)
+        # the full pool's records were copied with the K/V (``KVPool.move_with_kv``)
         if self.window_canary is not None:  # window records follow the window K/V the pool offloaded
             win = self.engine.pool.window.translate(device_slots)
             has = win > 0
@@ -223,7 +225,7 @@ class CanaryHooks(EngineHooks):
         self.canary.slots_freed(slots)
 
     def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
-        self.canary.load_back(host_rows, device_slots)
+        self.canary.rows_landed(device_slots, host_rows)  # landed with the K/V; verified at once
         if self.window_canary is not None:
             win, rows = self.engine.pool.window.translate(device_slots), host_rows.cpu()
             for run in _runs(win > 0):  # each run of consecutive positions is verified as it lands

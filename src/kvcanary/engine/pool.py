@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvcanary.engine.config import EngineConfig, ModelConfig
@@ -205,6 +206,13 @@ class KVPool(KVPoolBase):
         self.host_v = torch.zeros(host_shape, dtype=model_config.dtype, pin_memory=pin)
         # a window layer's host row holds the slot's window K/V, when it had a window slot
         self.host_has_window = torch.zeros(config.host_tier_slots, dtype=torch.bool)
+        # what an offload and a load-back move for the full layers, as (device, host) uint8 rows of
+        # one slot / one host row each: their K and V, then the rows of ``move_with_kv``
+        width = shape[1] * shape[2] * self.host_k.element_size()
+        self._moved = [(dev.view(torch.uint8).view(config.num_slots, width),
+                        host[x].view(torch.uint8).view(config.host_tier_slots, width))
+                       for x in self.full_layers
+                       for dev, host in ((self.k_buffers[x], self.host_k), (self.v_buffers[x], self.host_v))]
         self._free_pages = deque(range(1, config.num_pages))
         self._is_free = [False] + [True] * (config.num_pages - 1)
         self._quarantined: set[int] = set()
@@ -273,15 +281,36 @@ class KVPool(KVPoolBase):
         self.req_to_token[row].zero_()
         self._free_rows.append(row)
 
+    def move_with_kv(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per-slot rows that an offload and a load-back move with the full layers' K/V, in the
+        same copy: (device, host) uint8 pairs, [num_slots, w] on the pool's device and
+        [host_tier_slots, w] on the host (a canary's ``row_pairs``)."""
+        for i, (dev, host) in enumerate(pairs):
+            want = ((self.num_slots, "num_slots", dev, self.device.type), (self.config.host_tier_slots,
+                                                                          "host_tier_slots", host, "cpu"))
+            for n, what, t, where in want:
+                if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[0] != n or t.device.type != where:
+                    raise ValueError(f"move_with_kv pairs[{i}]: want uint8[{what} = {n}, w] on {where}, got "
+                                     f"{t.dtype}{list(t.shape)} on {t.device}")
+            if dev.shape[1] != host.shape[1]:
+                raise ValueError(f"move_with_kv pairs[{i}]: device rows of {dev.shape[1]} bytes != host rows of "
+                                 f"{host.shape[1]}")
+        self._moved += [tuple(p) for p in pairs]
+
     def copy_to_host(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Full layers from ``slots``; window layers from the window slots of those that have one.
-        The hooks get the slots on the host (as the host tier keeps them): a canary checks and
-        indexes them there, with no copy back from the device."""
+        """Full layers (and the rows of ``move_with_kv``) from ``slots``, in one gather and one copy
+        to the host; window layers from the window slots of those that have one. The hooks get the
+        slots on the host (as the host tier keeps them): a canary checks and indexes them there,
+        with no copy back from the device."""
         host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
         slots = host_slots.to(self.device)
-        for x in self.full_layers:
-            self.host_k[x, host_rows] = self.k_buffers[x][slots].cpu()
-            self.host_v[x, host_rows] = self.v_buffers[x][slots].cpu()
+        rows = host_rows.numpy()
+        staged = torch.cat([dev[slots] for dev, _ in self._moved], dim=1).cpu().numpy()
+        at = 0
+        for _, host in self._moved:
+            w = host.shape[1]
+            host.numpy()[rows] = staged[:, at: at + w]
+            at += w
         if self.window is not None:
             win = self.window.translate(host_slots)
             has = win > 0
@@ -294,14 +323,20 @@ class KVPool(KVPoolBase):
         self.hooks.on_offload(host_slots, host_rows)
 
     def copy_from_host(self, host_rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Full layers into ``slots``; window layers into fresh window slots for the rows that hold
+        """Full layers (and the rows of ``move_with_kv``) into ``slots``, in one copy to the device
+        and a write per buffer; window layers into fresh window slots for the rows that hold
         window K/V, when the window pool has room for all of them (else they get none). The hooks
         get the slots on the host, as ``copy_to_host``'s do."""
         host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
         slots = host_slots.to(self.device)
-        for x in self.full_layers:
-            self.k_buffers[x][slots] = self.host_k[x, host_rows].to(self.device)
-            self.v_buffers[x][slots] = self.host_v[x, host_rows].to(self.device)
+        rows = host_rows.numpy()
+        staged = torch.from_numpy(np.concatenate([host.numpy()[rows] for _, host in self._moved], axis=1))
+        staged = staged.to(self.device)
+        at = 0
+        for dev, host in self._moved:
+            w = host.shape[1]
+            dev[slots] = staged[:, at: at + w]
+            at += w
         if self.window is not None:
             want = self.host_has_window[host_rows]
             if bool(want.any()) and self.window.map(host_slots[want]):

@@ -10,7 +10,9 @@ slots. TAIL: verify the prefix again with fingerprints, record the written slots
 SWEEP: ``sweep(runs)`` verifies idle cached slots within the byte budget. Slots copied elsewhere
 carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: the record and its
 source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
-(``attach_host_tier`` first; load-back is verified at once). Violations are grouped into
+(``attach_host_tier`` first; load-back is verified at once); an engine that moves K/V rows with
+a batched copy of its own moves the mirror's rows in it (``row_pairs``) and reports the rows it
+landed (``rows_landed``). Violations are grouped into
 incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
 slot's incidents close when it is reused.
 """
@@ -29,6 +31,7 @@ import torch
 
 from kvcanary.config import CanaryConfig, Overlap, Policy
 from kvcanary.core.record import (
+    POSITION,
     RECORD_BYTES,
     ROW_BYTES,
     STAT_CHECKED,
@@ -147,6 +150,11 @@ def _outside(t: torch.Tensor, n: int) -> bool:
     if v.itemsize == 4 and n <= 1 << 31:
         return int(v.view(np.uint32).max()) >= n
     return int(v.min()) < 0 or int(v.max()) >= n
+
+
+def _position_of(row: torch.Tensor) -> int:
+    """The position a host row (uint8[ROW_BYTES], on the host) of ``export_rows`` holds."""
+    return int(row[8 * POSITION: 8 * POSITION + 8].numpy().view(np.int64)[0])
 
 
 def _slots_of_runs(runs: Sequence[SweepRun]) -> np.ndarray:
@@ -738,10 +746,13 @@ class Canary:
 
     def _import(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         self._land(slots, rows)
-        self.incidents.note(self._meta.step, slots, "rewritten")
         # rows on the host: the first landed position read there (the same bytes), not from the device
-        first = int(rows[0, 8:16].numpy().view(np.int64)[0]) if len(rows) and not rows.is_cuda else None
-        self.verify_landed(slots, first)
+        self._landed(slots, _position_of(rows[0]) if len(rows) and not rows.is_cuda else None)
+
+    def _landed(self, slots: torch.Tensor, first_position: int | None) -> None:
+        """Rows just written into ``slots``: their incidents close, and they are verified at once."""
+        self.incidents.note(self._meta.step, slots, "rewritten")
+        self.verify_landed(slots, first_position)
 
     def verify_landed(self, slots: torch.Tensor, first_position: int | None = None) -> int:
         """Check slots just filled by a copy: each against the one before it (consecutive positions)
@@ -770,6 +781,32 @@ class Canary:
             self._host_views = (self.state.records.numpy(),
                                 self.state.source_tags.numpy().view(np.uint8).reshape(-1, ROW_BYTES - RECORD_BYTES),
                                 self.host_rows.numpy())
+
+    def row_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The canary's rows for an engine that moves K/V between its pool and its host tier with a
+        batched copy of its own: (device, host) pairs of uint8 views, [num_slots, w] and [num_rows,
+        w], of the records (w = 32) and their side words (w = 8). With an offload's K/V, copy
+        ``device[device_slots]`` into ``host[host_rows]`` (what ``offload`` does); with a load-back's,
+        ``host[host_rows]`` into ``device[device_slots]``, then call ``rows_landed``. Copy between
+        steps (``end_step`` joins the canary's side stream), on the stream the canary runs on.
+        Raises KVCanaryError before ``attach_host_tier``."""
+        if self.host_rows is None:
+            raise KVCanaryError("row_pairs() before attach_host_tier(): there is no host mirror to copy into; call "
+                                "canary.attach_host_tier(num_host_rows) once after building the Canary")
+        records, tags = self.state.records, self.state.source_tags.view(torch.uint8).view(-1, ROW_BYTES - RECORD_BYTES)
+        return (records, self.host_rows[:, :RECORD_BYTES]), (tags, self.host_rows[:, RECORD_BYTES:])
+
+    def rows_landed(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """The engine copied the mirror's host rows ``host_rows[i]`` into ``device_slots[i]`` with
+        their K/V (``row_pairs``): the landed slots are verified at once (SWEEP), as after
+        ``load_back``. Raises KVCanaryError without a host tier or for mismatched rows, before
+        anything is read."""
+        self._check_host_move("rows_landed", device_slots, host_rows)
+        if not self.config.enabled or not device_slots.numel():
+            return
+        t0 = time.perf_counter()
+        self._landed(device_slots, _position_of(self.host_rows[int(host_rows[0])]))
+        self.totals.seconds += time.perf_counter() - t0
 
     def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Records follow K/V from ``device_slots[i]`` (int64[n]) to host row ``host_rows[i]`` (int64[n]).
