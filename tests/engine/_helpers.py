@@ -72,6 +72,9 @@ class RecordingHooks(EngineHooks):
     def after_step(self, step_index: int) -> None:
         self.events.append(("after_step", (step_index,)))
 
+    def before_move(self) -> None:
+        self.events.append(("before_move", ()))
+
     def on_offload(self, device_slots, host_rows) -> None:
         self.events.append(("on_offload", (device_slots.clone(), host_rows.clone())))
 

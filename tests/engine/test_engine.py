@@ -65,10 +65,10 @@ def test_hook_order_within_steps():
         engine.generate(wave, 6)  # the filler wave pushes the shared prefix to the host
     letter = dict(
         before_forward="B", forward_prologue="P", forward_epilogue="E", after_forward="A", after_step="S",
-        on_offload="O", on_load="L", on_free="F"
+        before_move="M", on_offload="O", on_load="L", on_free="F"
     )
     trace = "".join(letter[name] for name in hooks.names())
-    assert re.fullmatch(r"([OLF]*BPEAF*S)+", trace), trace
+    assert re.fullmatch(r"((MO|ML|F)*BPEAF*S)+", trace), trace
     assert {"O", "L", "F"} <= set(trace)
     steps = [args[0] for name, args in hooks.events if name == "after_step"]
     assert steps == list(range(engine.stats.num_steps))

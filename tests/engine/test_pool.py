@@ -116,9 +116,9 @@ def test_host_round_trip_is_byte_equal(page_size):
         assert torch.equal(buf[dst].view(torch.uint8), old.view(torch.uint8))
         assert bool(old.abs().sum() > 0)
     assert torch.equal(side[0][dst], side_before) and bool(side_before.sum() > 0)
-    assert hooks.names() == ["on_offload", "on_load"]
-    assert hooks.events[0][1][0].tolist() == src.tolist() and hooks.events[0][1][1].tolist() == rows.tolist()
-    assert hooks.events[1][1][0].tolist() == rows.tolist() and hooks.events[1][1][1].tolist() == dst.tolist()
+    assert hooks.names() == ["before_move", "on_offload", "before_move", "on_load"]
+    assert hooks.events[1][1][0].tolist() == src.tolist() and hooks.events[1][1][1].tolist() == rows.tolist()
+    assert hooks.events[3][1][0].tolist() == rows.tolist() and hooks.events[3][1][1].tolist() == dst.tolist()
 
 
 def test_rows_that_move_with_the_kv_must_fit_the_pool_and_the_host_tier():

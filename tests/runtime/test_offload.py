@@ -116,3 +116,23 @@ def test_rows_landed_and_row_pairs_refuse_before_anything_is_read():
         with pytest.raises(KVCanaryError, match=message):
             c.rows_landed(*args)
     assert c.counters()["SWEEP"]["launches"] == before  # nothing verified
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_pool_moves_records_only_after_the_canarys_side_stream_work_is_joined():
+    """A forward that raised before its TAIL joined leaves side-stream work behind; the pool's next
+    copy of the records (``before_move``) orders the engine's stream after it first."""
+    from kvcanary.config import Overlap
+
+    setup = small_setup(num_requests=48, engine={"device": "cuda"}, overlap=Overlap.ALWAYS)
+    hooks = RoundTripHooks(setup.canary)
+    engine = Engine(setup.model, setup.engine, hooks)
+    canary = hooks.attach(engine)
+    assert canary.side is not None
+    slots, rows = torch.arange(8, 16), torch.arange(8)
+    canary._fork()  # side work left unjoined, as after a HEAD forked by a forward that raised
+    assert canary._side_busy
+    engine.pool.copy_to_host(slots, rows)
+    assert not canary._side_busy
+    assert torch.equal(canary.host_rows[rows], canary.export_rows(slots).cpu())

@@ -213,6 +213,11 @@ class CanaryHooks(EngineHooks):
     def after_step(self, step_index: int) -> None:
         self.step = step_index + 1
 
+    def before_move(self) -> None:
+        # the pool's copy reads and writes records on the engine's stream: after any side-stream
+        # work still unjoined (a forward that raised before its TAIL joined)
+        self.canary.join()
+
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         # the full pool's records were copied with the K/V (``KVPool.move_with_kv``)
         if self.window_canary is not None:  # window records follow the window K/V the pool offloaded

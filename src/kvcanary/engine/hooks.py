@@ -2,8 +2,8 @@
 
 Order within one ``Engine.step()``:
 
-1. scheduling: ``on_offload`` / ``on_free`` (prefix-cache eviction), ``on_load`` (load-back of
-   host-resident prefix nodes), ``on_free`` (preemption);
+1. scheduling: ``before_move`` then ``on_offload`` / ``on_free`` (prefix-cache eviction),
+   ``before_move`` then ``on_load`` (load-back of host-resident prefix nodes), ``on_free`` (preemption);
 2. ``before_forward(batch)`` -> ``forward_prologue(batch)`` -> the model writes K/V at
    ``batch.out_cache_loc`` and reads every request's prefix through ``batch.req_to_token`` ->
    ``forward_epilogue(batch)`` -> ``after_forward(batch)``. With ``EngineConfig.cuda_graph`` the
@@ -14,7 +14,8 @@ Order within one ``Engine.step()``:
 4. ``after_step(step_index)``.
 
 ``Engine.abort`` and ``Engine.recompute`` run between steps and may call ``on_free``.
-Slot tensors are int64 on the engine's device; host rows are int64 on the CPU.
+Slot tensors are int64 on the engine's device, except ``on_offload``'s and ``on_load``'s: int64 on
+the CPU, as the host rows.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class EngineHooks:
 
     def after_step(self, step_index: int) -> None:
         """Once per step that ran a forward, after sampling and finishing requests."""
+
+    def before_move(self) -> None:
+        """Right before K/V rows (and the rows of ``KVPool.move_with_kv``) are copied between the
+        pool and the host tier, on the engine's stream."""
 
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Right after K/V of ``device_slots[i]`` was copied to host row ``host_rows[i]``, all layers

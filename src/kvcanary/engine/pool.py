@@ -305,6 +305,7 @@ class KVPool(KVPoolBase):
         host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
         slots = host_slots.to(self.device)
         rows = host_rows.numpy()
+        self.hooks.before_move()
         staged = torch.cat([dev[slots] for dev, _ in self._moved], dim=1).cpu().numpy()
         at = 0
         for _, host in self._moved:
@@ -330,6 +331,7 @@ class KVPool(KVPoolBase):
         host_slots, host_rows = slots.to("cpu", torch.int64), host_rows.to("cpu", torch.int64)
         slots = host_slots.to(self.device)
         rows = host_rows.numpy()
+        self.hooks.before_move()
         staged = torch.from_numpy(np.concatenate([host.numpy()[rows] for _, host in self._moved], axis=1))
         staged = staged.to(self.device)
         at = 0

@@ -6,7 +6,8 @@ fault's ``after_head``; ``forward_epilogue`` every fault's ``before_tail`` and t
 hooks' (TAIL launch; where the inner hooks start TAIL inside the model, ``layer_done`` of that
 layer runs the faults' ``before_tail`` first); ``after_forward`` runs the inner hooks' (step report) and then every
 fault's ``after_forward`` (after handing them the violations the inner hooks reported for the forward,
-if any: ``on_report``); ``on_offload`` / ``on_load`` / ``on_free`` reach the inner hooks, then the
+if any: ``on_report``); ``before_move`` reaches the inner hooks only; ``on_offload`` / ``on_load`` /
+``on_free`` reach the inner hooks, then the
 faults (so their injections follow moved slots). ``after_step`` goes to the inner hooks only.
 """
 
@@ -99,6 +100,9 @@ class FaultHooks(EngineHooks):
 
     def after_step(self, step_index: int) -> None:
         self.inner.after_step(step_index)
+
+    def before_move(self) -> None:
+        self.inner.before_move()
 
     def on_offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         self.inner.on_offload(device_slots, host_rows)
