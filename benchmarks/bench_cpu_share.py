@@ -24,7 +24,8 @@ from kvcanary.cli import main
 from kvcanary.engine import engine as engine_mod
 from kvcanary.runtime import canary as canary_mod
 
-METHODS = ("prepare_head", "launch_head", "tail", "sweep", "end_step", "offload", "load_back", "verify_landed")
+METHODS = ("prepare_head", "launch_head", "tail", "sweep", "end_step", "offload", "load_back", "rows_landed",
+           "verify_landed")
 IN_SHARE = ("prepare_head", "launch_head", "tail", "sweep", "end_step")
 
 

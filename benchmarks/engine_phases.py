@@ -31,9 +31,10 @@ import kvcanary.runtime.canary as canary_module  # noqa: E402
 from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 
 MODES = ("off", "partial", "none")
-CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back")
-HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "on_offload",
-         "on_load", "on_free")
+CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back",
+                "rows_landed")
+HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "before_move",
+         "on_offload", "on_load", "on_free")
 
 
 def main(argv=None) -> None:
@@ -86,7 +87,8 @@ def main(argv=None) -> None:
         if hooks is not None:
             eng.prefix_cache_slots = timed(eng.prefix_cache_slots, "prefix_cache_slots")
             for n in CANARY_CALLS:
-                setattr(hooks.canary, n, timed(getattr(hooks.canary, n), f"canary.{n}"))
+                if hasattr(hooks.canary, n):  # an older tree may lack one
+                    setattr(hooks.canary, n, timed(getattr(hooks.canary, n), f"canary.{n}"))
     walls = collections.defaultdict(list)
     for k in range(args.runs):
         for m in MODES[k % len(MODES):] + MODES[: k % len(MODES)]:
