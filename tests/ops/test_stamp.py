@@ -19,7 +19,7 @@ from kvcanary.core.record import (
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.scatter import offsets_from_lengths
-from kvcanary.ops.stamp import stamp
+from kvcanary.ops.stamp import _stamp_block, stamp
 
 from . import reference as ref
 from ._compare import assert_same
@@ -127,8 +127,10 @@ def test_empty_batch_and_empty_extends():
         assert (rows, stamped) == ([], 0)
 
 
-@pytest.mark.parametrize("lens", [[2500], [3, 2500, 1, 40], [1000, 30, 1500, 1, 600], [1024, 1024, 1]],
-                         ids=["one-2500", "long-among-short", "crossing-blocks", "block-aligned"])
+@pytest.mark.parametrize("lens", [[2500], [3, 2500, 1, 40], [1000, 30, 1500, 1, 600], [1024, 1024, 1], [128, 128, 5],
+                                  [3, 17000, 40]],
+                         ids=["one-2500", "long-among-short", "crossing-blocks", "block-aligned", "small-blocks",
+                              "carry-over-two-loads"])
 def test_long_requests_carry_the_chain_across_blocks(lens):
     gen = torch.Generator().manual_seed(sum(lens))
     check_all_backends(make_inputs(gen, lens, with_expected=True, with_lut=False, tag=1))
@@ -310,3 +312,24 @@ def test_kernel_with_bad_device_offsets_reads_and_writes_only_its_inputs(monkeyp
         results.append((canary_buf, sorted(ring_buf[2:-2][: int(counter)].tolist()), counter, stats))
     for name, a, b in zip(("canary", "ring", "counter", "stats"), *results, strict=True):
         assert_same(f"{name} with different memory around the inputs", a, b)
+
+
+def test_the_stamp_block_keeps_the_carry_within_two_loads():
+    """BLOCK is the smallest power of two in [128, 1024] with 2 * BLOCK**2 >= T, so the carry of the
+    last program (one vector load of BLOCK tails per BLOCK earlier blocks) takes at most two loads;
+    from there on BLOCK stays 1024."""
+    for n in (0, 1, 4096, 32768, 32769, 131072, 131073, 524288, 524289, 1 << 24):
+        block, warps = _stamp_block(n)
+        assert block in (128, 256, 512, 1024) and warps == (4 if block == 128 else 8)
+        assert block == 1024 or 2 * block * block >= n
+        assert block == 128 or 2 * (block // 2) ** 2 < n
+        assert block == 1024 or -(-max(-(-n // block), 1) // block) <= 2
+
+
+def test_a_short_scratch_is_refused_before_anything_is_written():
+    inputs = valid_inputs()
+    n, before = inputs["input_ids"].shape[0], inputs["canary"].clone()
+    for backend in BACKENDS:
+        with pytest.raises(InputError, match=rf"scratch length 0 < cdiv\(T, 128\) \({max(-(-n // 128), 1)}\)"):
+            with_state(stamp, **inputs, scratch=torch.zeros(0, dtype=torch.int64), backend=backend)
+        assert torch.equal(inputs["canary"], before)

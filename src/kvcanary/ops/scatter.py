@@ -188,12 +188,23 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, star
         tl.atomic_or(err_ptr, code, mask=code != 0)
 
 
-def _scatter_grid(n: int, bs: int) -> tuple[int, int, int]:
-    """(programs per request, BLOCK) from shapes alone: BLOCK ~ the mean segment (128..1024),
-    enough programs per request to cover a mean segment in one pass (at most 64)."""
+MIN_PROGRAMS = 512  # fewer requests than this spread each one over more, shorter programs
+
+
+def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
+    """(requests, programs per request, BLOCK, warps) from shapes alone: BLOCK ~ the mean segment
+    (128..1024), enough programs per request to cover a mean segment in one pass (at most 64).
+    A mean of 129..256 tokens takes BLOCK 512 with 8 warps (two 8-byte loads a thread; H200,
+    4096 x 256: 12.1 -> 9.3 µs), and while the launch has fewer than ``MIN_PROGRAMS`` programs
+    BLOCK halves (to 256) and the programs per request double (64 x 2048: 3.6 -> 3.0 µs)."""
     mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
     block = 128 if mean <= 128 else 1024 if mean > 512 else 1 << (mean - 1).bit_length()
-    return max(bs, 1), min(max(-(-mean // block), 1), 64), block
+    split = min(max(-(-mean // block), 1), 64)
+    if block == 256:
+        return max(bs, 1), split, 512, 8
+    while bs * split < MIN_PROGRAMS and block > 256 and split < 64:
+        block, split = block // 2, split * 2
+    return max(bs, 1), split, block, 4
 
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -239,10 +250,10 @@ def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, 
     when their batch was built."""
     if triton_path:
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
-        programs, split, block = _scatter_grid(n, bs)
+        programs, split, block, warps = _scatter_grid(n, bs)
         launch(_scatter_kernel, (programs, split), (
             flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
             offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0)),
-            dict(BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None), num_warps=4)
+            dict(BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None), num_warps=warps)
     else:
         _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, starts)
