@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 from kvcanary.errors import InputError
 from kvcanary.ops import scatter as scatter_mod
 from kvcanary.ops._common import Backend
-from kvcanary.ops.scatter import ERR_OFFSETS, ERR_ROWS, offsets_from_lengths, scatter_req_token_ids
+from kvcanary.ops.scatter import (
+    ERR_OFFSETS,
+    ERR_ROWS,
+    SCATTER_VARIANTS,
+    _scatter_grid,
+    offsets_from_lengths,
+    scatter_req_token_ids,
+)
 
 from . import reference as ref
 from ._compare import assert_same
@@ -350,3 +357,16 @@ def test_device_bad_rows_with_many_requests(monkeypatch, backend):
     offsets[2900] = 2950
     _, flag = run_op(scatter_req_token_ids, backend, **{**good, "offsets": offsets})
     assert flag.tolist() == [ERR_OFFSETS]
+
+
+def test_every_launch_shape_is_one_a_warm_up_compiles():
+    """``_scatter_grid`` picks only (BLOCK, warps) pairs of ``SCATTER_VARIANTS`` (the warm-up compiles
+    each), covers a mean segment in one pass of its programs, and gives every pair for some size."""
+    seen = set()
+    for bs in (1, 2, 7, 64, 255, 256, 511, 1024, 4096):
+        for mean in (1, 100, 128, 129, 200, 256, 257, 300, 512, 513, 600, 2048, 8192, 70000):
+            programs, split, block, warps = _scatter_grid(bs * mean, bs)
+            assert (block, warps) in SCATTER_VARIANTS and programs == bs and 1 <= split <= 64
+            assert split * block >= min(mean, 64 * block), (bs, mean, split, block)
+            seen.add((block, warps))
+    assert seen == set(SCATTER_VARIANTS)

@@ -189,6 +189,8 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, star
 
 
 MIN_PROGRAMS = 512  # fewer requests than this spread each one over more, shorter programs
+# every (BLOCK, warps) ``_scatter_grid`` picks: the kernel variants a warm-up compiles
+SCATTER_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8), (1024, 4))
 
 
 def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
@@ -243,14 +245,17 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
 
 
 def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, triton_path: bool,
-                      starts=None) -> None:
+                      starts=None, variant: tuple[int, int] | None = None) -> None:
     """The launch of ``scatter_req_token_ids`` for arguments already checked (dtypes, ranks, one
     device, contiguity, ``offsets`` length bs+1, ``error_flag`` int32[1], ``lens_out`` int64[>= bs]
     or None, ``starts`` int64[bs] or None): the runtime's per-step path, whose tensors were checked
-    when their batch was built."""
+    when their batch was built. ``variant``: launch with this (BLOCK, warps) of
+    ``SCATTER_VARIANTS`` instead of the one the sizes pick (a warm-up compiling each)."""
     if triton_path:
         n, bs = flat_in.shape[0], req_pool_indices.shape[0]
         programs, split, block, warps = _scatter_grid(n, bs)
+        if variant is not None:
+            block, warps = variant
         launch(_scatter_kernel, (programs, split), (
             flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
             offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0)),

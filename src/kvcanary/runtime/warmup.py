@@ -10,7 +10,7 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 | HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table; |
 |                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
-| the truth scatter (truth on)   | each block size its grid picks (128, 256, 512, 1024), whole histories and appends |
+| the truth scatter (truth on)   | each (block, warps) of ``SCATTER_VARIANTS``, whole histories and appends |
 | SWEEP (the plan's verify)      | one                                                       |
 
 The launches touch no record (empty batches, an empty sweep plan); the launch counters, the
@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.ops.scatter import scatter_req_token_ids
+from kvcanary.ops._common import Backend, use_triton
+from kvcanary.ops.scatter import SCATTER_VARIANTS, scatter_validated
 from kvcanary.runtime.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from kvcanary.runtime.canary import Canary
-
-SCATTER_TOKENS = (1, 200, 300, 600)  # one request each: the scatter's BLOCK is 128, 256, 512, 1024
-
 
 def _empty_batch(canary: Canary, bs: int, truth: bool) -> ForwardBatch:
     """``bs`` padding requests (row 0) that read and write nothing."""
@@ -83,17 +81,16 @@ def warm_up(canary: Canary) -> float:
                     canary.tail(b)
     finally:
         canary.side_eager = side_eager
-    if canary.config.truth:
-        for n in SCATTER_TOKENS:
-            flat = torch.zeros(n, dtype=torch.int64, device=dev)
-            offsets = torch.tensor([0, n], dtype=torch.int64, device=dev)
-            lens = torch.zeros(1, dtype=torch.int64, device=dev) if canary.truth.is_cuda else None  # prepare_head's
+    if canary.config.truth and use_triton(Backend.AUTO, dev):
+        flat = torch.zeros(1, dtype=torch.int64, device=dev)
+        offsets = torch.tensor([0, 1], dtype=torch.int64, device=dev)
+        lens = torch.zeros(1, dtype=torch.int64, device=dev)  # prepare_head's
+        for variant in SCATTER_VARIANTS:
             for starts in (None, offsets[:1]):  # whole histories and appends (``ForwardBatch.truth_starts``)
                 # the state's own error word: its address (8 past a multiple of 16 in the counter block) is
                 # part of the variant, so a fresh flag would compile one no step launches
-                scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=offsets[:1],
-                                      pool_out=torch.zeros(1, 1024, dtype=torch.int32, device=dev),
-                                      error_flag=state.error, lens_out=lens, starts=starts)
+                scatter_validated(flat, offsets, offsets[:1], torch.zeros(1, 1024, dtype=torch.int32, device=dev),
+                                  state.error, lens, True, starts, variant)
     canary._load_sweep_plan([], [], [], [])
     for t, before in saved:
         t.copy_(before)
