@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.ops._common import Backend, use_triton
+from kvcanary.ops.backend import Backend, use_triton
 from kvcanary.ops.scatter import SCATTER_VARIANTS, scatter_validated
 from kvcanary.runtime.batch import ForwardBatch
 
