@@ -197,8 +197,9 @@ def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
     """(requests, programs per request, BLOCK, warps) from shapes alone: BLOCK ~ the mean segment
     (128..1024), enough programs per request to cover a mean segment in one pass (at most 64).
     A mean of 129..256 tokens takes BLOCK 512 with 8 warps (two 8-byte loads a thread; H200,
-    4096 x 256: 12.1 -> 9.3 µs), and while the launch has fewer than ``MIN_PROGRAMS`` programs
-    BLOCK halves (to 256) and the programs per request double (64 x 2048: 3.6 -> 3.0 µs)."""
+    4096 x 256: 11.3 -> 8.6 µs), and while the launch has fewer than ``MIN_PROGRAMS`` programs
+    BLOCK halves (to 256) and the programs per request double (64 x 2048: 3.5 -> 2.8 µs;
+    BENCHMARKS.md)."""
     mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
     block = 128 if mean <= 128 else 1024 if mean > 512 else 1 << (mean - 1).bit_length()
     split = min(max(-(-mean // block), 1), 64)

@@ -224,7 +224,7 @@ def _stamp_block(n: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for ``n`` written tokens: the smallest power of two in [128, 1024] whose
     square is at least n / 2, so a program's carry over the earlier blocks' tails takes at most two
     vector loads, while a long prefill spreads over many short programs (H200, one request of
-    32768 tokens: BLOCK 128 stamps in 8.4 µs, BLOCK 1024 in 15.9 µs; BENCHMARKS.md)."""
+    32768 tokens: 16.2 µs with BLOCK 1024, 9.2 µs with BLOCK 128; BENCHMARKS.md)."""
     block = MIN_BLOCK
     while block < 1024 and 2 * block * block < n:
         block *= 2
@@ -254,8 +254,9 @@ def stamp(*, state: DeviceState, out_cache_loc: torch.Tensor, input_ids: torch.T
     if scratch is not None:
         check_tensor("scratch", scratch, torch.int64, 1)
         check_contiguous("scratch", scratch)
-        if scratch.shape[0] < max(cdiv(n, MIN_BLOCK), 1):
-            raise InputError(f"scratch length {scratch.shape[0]} < cdiv(T, {MIN_BLOCK}) ({max(cdiv(n, MIN_BLOCK), 1)})")
+        need = max(cdiv(n, MIN_BLOCK), 1)
+        if scratch.shape[0] < need:
+            raise InputError(f"scratch length {scratch.shape[0]} < cdiv(T, {MIN_BLOCK}) ({need})")
         check_same_device(records=state.records, scratch=scratch)
     if use_triton(backend, device):
         if scratch is None:
