@@ -125,16 +125,16 @@ def test_fixed_leading_arguments_key_and_launch_as_the_whole_list():
     flat = torch.randint(-1000, 1000, (int(lengths.sum()),), generator=gen).cuda()
     rows = torch.randperm(6, generator=gen)[:4].cuda()
     starts = torch.randint(0, 3, (4,), generator=gen).cuda()
-    constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)
+    constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)  # grid: the check's program, then 4 requests
 
     def scatter(cut: int | None):
         pool = torch.full((6, 12), -5, dtype=torch.int32, device="cuda")
         err, lens = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(4, dtype=torch.int64, device="cuda")
         args = (flat, offsets, rows, pool, err, lens, starts, flat.shape[0], 4, 6, 12, 12)
         if cut is None:
-            launcher.launch(_scatter_kernel, (4, 1), args, constexprs)
+            launcher.launch(_scatter_kernel, (5, 1), args, constexprs)
         else:
-            launcher.launch(_scatter_kernel, (4, 1), args[cut:], constexprs,
+            launcher.launch(_scatter_kernel, (5, 1), args[cut:], constexprs,
                             fixed=launcher.Fixed(_scatter_kernel, args[:cut]))
         return pool.cpu(), lens.cpu(), err.cpu()
 
@@ -153,13 +153,13 @@ def test_a_fixed_tensor_resized_in_place_is_launched_at_its_new_address():
     pool = torch.full((3, 8), -5, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     fixed = launcher.Fixed(_scatter_kernel, (flat, offsets, rows, pool, err, err, offsets))
-    constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)
-    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)
-    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)  # the kept kernel
+    constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)  # grid: the check's program, 2 requests
+    launcher.launch(_scatter_kernel, (3, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)
+    launcher.launch(_scatter_kernel, (3, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)  # the kept kernel
     before = pool.data_ptr()
     pool.resize_(1 << 20, 8).fill_(-5)  # a new allocation: the old address is freed
     assert pool.data_ptr() != before
-    launcher.launch(_scatter_kernel, (2, 1), (8, 2, 1 << 20, 8, 8), constexprs, fixed=fixed)
+    launcher.launch(_scatter_kernel, (3, 1), (8, 2, 1 << 20, 8, 8), constexprs, fixed=fixed)
     torch.cuda.synchronize()
     assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
     assert int(err[0]) == 0 and int((pool != -5).sum()) == 8

@@ -145,16 +145,21 @@ def _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, len
 @triton.jit(do_not_specialize=["n", "bs", "rows", "width", "out_stride"])
 def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, starts_ptr, n, bs, rows, width,
                     out_stride, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
-    """Program (r, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:
+    """Program (r + 1, k) copies chunks k, k + SPLIT, ... (BLOCK tokens each) of request r:
     pool_out[rpi[r], s : s + cnt] = flat_in[start : start + cnt], s = starts[r] (HAS_STARTS; else
     0), cnt = min(end - start, width - s), when 0 <= start <= end <= n, s >= 0 and the row is in
-    range (else nothing). No search: each program reads its own offsets. Program (r, 0) writes
-    lens[r] = s + end - start (HAS_LENS). Program (0, 0) also checks every offset, start and row
-    and raises the error flag."""
-    r = tl.program_id(0).to(tl.int64)
+    range (else nothing). No search: each program reads its own offsets. Program (r + 1, 0) writes
+    lens[r] = s + end - start (HAS_LENS). Program (0, 0) checks every offset, start and row and
+    raises the error flag: first in the launch, beside the copies rather than after one of them
+    (last, its loop over the requests would be the launch's tail). Each token is read and written
+    once: its loads are evicted first and its stores streamed (H200, with BLOCK capped at 512:
+    256 x 8192 8.83 -> 8.46 µs, 64 x 2048 2.90 -> 2.43; BENCHMARKS.md)."""
+    r = tl.program_id(0).to(tl.int64) - 1
     k = tl.program_id(1).to(tl.int64)
     split = tl.num_programs(1).to(tl.int64)
-    has = r < bs
+    has = r >= 0
+    r = tl.maximum(r, 0)  # the check's program reads no request
+    has = has & (r < bs)
     start = tl.load(off_ptr + r, mask=has, other=0)
     end = tl.load(off_ptr + r + 1, mask=has, other=0)
     row = tl.load(rpi_ptr + r, mask=has, other=-1)
@@ -169,8 +174,9 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, star
     for c in range(k * BLOCK, cnt, split * BLOCK):
         j = c + tl.arange(0, BLOCK).to(tl.int64)
         m = j < cnt
-        tl.store(dst + j, tl.load(flat_ptr + start + j, mask=m, other=0).to(tl.int32), mask=m)
-    if (r == 0) & (k == 0):
+        v = tl.load(flat_ptr + start + j, mask=m, other=0, eviction_policy="evict_first")
+        tl.store(dst + j, v.to(tl.int32), mask=m, cache_modifier=".cs")
+    if (tl.program_id(0) == 0) & (k == 0):
         bad_off = ((tl.load(off_ptr) != 0) | (tl.load(off_ptr + bs) != n)).to(tl.int32)
         bad_row = tl.zeros((), dtype=tl.int32)
         for s in range(0, bs, BLOCK):
@@ -190,24 +196,25 @@ def _scatter_kernel(flat_ptr, off_ptr, rpi_ptr, out_ptr, err_ptr, lens_ptr, star
 
 MIN_PROGRAMS = 512  # fewer requests than this spread each one over more, shorter programs
 # every (BLOCK, warps) ``_scatter_grid`` picks: the kernel variants a warm-up compiles
-SCATTER_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8), (1024, 4))
+SCATTER_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8))
 
 
 def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
-    """(requests, programs per request, BLOCK, warps) from shapes alone: BLOCK ~ the mean segment
-    (128..1024), enough programs per request to cover a mean segment in one pass (at most 64).
-    A mean of 129..256 tokens takes BLOCK 512 with 8 warps (two 8-byte loads a thread; H200,
-    4096 x 256: 11.3 -> 8.6 µs), and while the launch has fewer than ``MIN_PROGRAMS`` programs
+    """(programs along the requests: the check's and bs, programs per request, BLOCK, warps) from
+    shapes alone: BLOCK ~ the mean segment (128..512), enough programs per request to cover a
+    mean segment in one pass (at most 64). A mean of 129..256 tokens takes BLOCK 512 with 8 warps
+    (two 8-byte loads a thread; H200, 4096 x 256: 11.3 -> 8.6 µs); longer segments take more
+    programs of 512, not larger blocks; while the launch has fewer than ``MIN_PROGRAMS`` programs
     BLOCK halves (to 256) and the programs per request double (64 x 2048: 3.5 -> 2.8 µs;
     BENCHMARKS.md)."""
     mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
-    block = 128 if mean <= 128 else 1024 if mean > 512 else 1 << (mean - 1).bit_length()
+    block = 128 if mean <= 128 else 512 if mean > 256 else 256
     split = min(max(-(-mean // block), 1), 64)
     if block == 256:
-        return max(bs, 1), split, 512, 8
+        return bs + 1, split, 512, 8
     while bs * split < MIN_PROGRAMS and block > 256 and split < 64:
         block, split = block // 2, split * 2
-    return max(bs, 1), split, block, 4
+    return bs + 1, split, block, 4
 
 
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
