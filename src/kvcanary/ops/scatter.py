@@ -190,13 +190,13 @@ SCATTER_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8))
 
 
 def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
-    """(programs along the requests: the check's and bs, programs per request, BLOCK, warps) from
-    shapes alone: BLOCK ~ the mean segment (128..512), enough programs per request to cover a
-    mean segment in one pass (at most 64). A mean of 129..256 tokens takes BLOCK 512 with 8 warps
-    (two 8-byte loads a thread; H200, 4096 x 256: 11.3 -> 8.6 µs); longer segments take more
-    programs of 512, not larger blocks; while the launch has fewer than ``MIN_PROGRAMS`` programs
-    BLOCK halves (to 256) and the programs per request double (64 x 2048: 3.5 -> 2.8 µs;
-    BENCHMARKS.md)."""
+    """(programs along the requests: bs + 1, the first checking the offsets' ends; programs per
+    request, BLOCK, warps) from shapes alone: BLOCK ~ the mean segment (128..512), enough programs
+    per request to cover a mean segment in one pass (at most 64). A mean of 129..256 tokens takes
+    BLOCK 512 with 8 warps (two 8-byte loads a thread; H200, 4096 x 256: 11.3 -> 8.6 µs); longer
+    segments take more programs of 512, not larger blocks; while the launch has fewer than
+    ``MIN_PROGRAMS`` programs BLOCK halves (to 256) and the programs per request double (64 x
+    2048: 3.5 -> 2.8 µs; BENCHMARKS.md)."""
     mean = -(-n // bs) if bs > 1 else n  # plain int arithmetic: this runs on every step's host path
     block = 128 if mean <= 128 else 512 if mean > 256 else 256
     split = min(max(-(-mean // block), 1), 64)
