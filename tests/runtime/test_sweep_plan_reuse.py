@@ -78,10 +78,10 @@ def test_a_sweep_that_holds_holds_every_slot_of_its_runs_whatever_its_budget(dev
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
     c.sweep(runs, hold=True)
     assert _write(c, device, free[:2], 8) == []  # the clean twin: no write into a held slot
-    c.verify_landed(torch.tensor(slots[2][:4]))  # loads the plan with other entries (on CUDA: other words)
-    c.sweep(runs, hold=True)  # loads its own again, and the held slots with them
+    c.verify_landed(torch.tensor(slots[2][:4]))  # loads the plan with other entries
+    c.sweep(runs, hold=True)  # loads its own again
     assert c.held.tolist() == every.tolist()
-    c.sweep(runs, hold=True)  # the plan as it is: held again (on CUDA: the words that landed with it)
+    c.sweep(runs, hold=True)  # the plan as it is, its runs held again
     assert c.held.tolist() == every.tolist()
     target = slots[2][5]
     found = _write(c, device, [free[2], target], 9)
