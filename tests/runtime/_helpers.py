@@ -24,15 +24,17 @@ def small_setup(num_requests: int = 32, seed: int = 0, engine: dict | None = Non
 
 
 def prefilled(seed: int, device: str, num_slots: int, ctx: int, min_len: int, max_tokens: int,
-              fused: bool | None = None, rows: int = 4) -> tuple[Canary, list[list[int]], list[list[int]]]:
-    """A canary (partial fingerprints of one K source) whose rows 1..3 were prefilled by one
-    forward with random slots, tokens and K/V, ``min_len`` to ``ctx`` tokens each: their slots
-    and tokens."""
+              fused: bool | None = None, rows: int = 4, warmup: bool = True,
+              **config) -> tuple[Canary, list[list[int]], list[list[int]]]:
+    """A canary (partial fingerprints of one K source; ``config``: more CanaryConfig fields) whose
+    rows 1..3 were prefilled by one forward with random slots, tokens and K/V, ``min_len`` to
+    ``ctx`` tokens each: their slots and tokens."""
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(num_slots, 2, 16, generator=gen).to(device, torch.bfloat16)
     config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, max_bs=4, max_tokens=max_tokens, sweep_interval=0,
-                          fused=fused)
-    c = Canary(config, PoolGeometry(num_slots, rows, ctx, device), sources=[KVSource.from_buffer(kv, half=Half.K)])
+                          fused=fused, **config)
+    c = Canary(config, PoolGeometry(num_slots, rows, ctx, device), sources=[KVSource.from_buffer(kv, half=Half.K)],
+               warmup=warmup)
     lens = torch.randint(min_len, ctx, (3,), generator=gen).tolist()
     perm = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
     slots, tokens, at = [], [], 0

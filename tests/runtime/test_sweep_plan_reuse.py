@@ -102,3 +102,19 @@ def _write(c, device: str, slots: list[int], token: int) -> list:
     c.prepare_head(b)
     c.launch_head(b)
     return read_all(c, 10)
+
+
+@pytest.mark.parametrize("device,fused", PATHS)
+def test_a_landed_copy_longer_than_the_sweep_plan_is_verified_whole(device, fused):
+    """``verify_landed`` of more slots than the sweep plan holds (a long prefix loaded back)
+    verifies them a plan at a time, each against the one before it across the cuts: a record
+    damaged past the first cut is reported at SWEEP, naming the slot; its clean twin reports
+    nothing."""
+    c, slots, _ = prefilled(13, device, NUM_SLOTS, CTX, 50, 256, fused, plan_capacity=16)
+    run = slots[1]  # one row, landed whole: every slot but its first follows the one before
+    assert c.verify_landed(torch.tensor(run)) == len(run) > 3 * 16
+    assert read_all(c, 1) == []
+    bad = run[40]  # in the third cut
+    record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 5
+    assert c.verify_landed(torch.tensor(run)) == len(run)
+    assert [(v.slot, v.point.name, v.reasons) for v in read_all(c, 2)] == [(bad, "SWEEP", Reason.FINGERPRINT)]

@@ -636,10 +636,16 @@ class Canary:
         return n
 
     def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
-        """Load the sweep plan with entries (int64 host arrays or sequences) and verify it."""
+        """Load the sweep plan with entries (int64 host arrays or sequences) and verify it; more
+        entries than the plan holds (a long landed copy) a plan's capacity at a time."""
         self.join()
         self._plan_window = None  # until ``sweep`` names the entries it loaded
         p, n = self.sweep_plan, len(slot)
+        if n > p.capacity:
+            for at in range(0, n, p.capacity):
+                cut = slice(at, at + p.capacity)
+                self._load_sweep_plan(slot[cut], pred[cut], pos[cut], tok[cut])
+            return n
         if self.cpu is not None and self.cpu.verify(slot, pred, pos, tok, self.tag(LaunchPoint.SWEEP)):
             return n  # the compiled verify of the entries themselves: no plan tensors filled
         on_cuda = p.slot.device.type == "cuda"
