@@ -73,6 +73,9 @@ def main(argv=None) -> None:
         setattr(canary_module.Canary, n, timed(getattr(canary_module.Canary, n), f"Canary.{n}"))
     for n in ("entries", "joined"):
         setattr(sweep_module.RunCache, n, timed(getattr(sweep_module.RunCache, n), f"RunCache.{n}"))
+    graphs_class = getattr(canary_module, "SweepGraphs", None)  # an older tree has none
+    for n in ("load", "again") if graphs_class is not None else ():
+        setattr(graphs_class, n, timed(getattr(graphs_class, n), f"SweepGraphs.{n}"))
     for m in MODES:
         eng, hooks = built[m]
         eng.step = timed(eng.step, "Engine.step")

@@ -1,7 +1,10 @@
 """A CUDA canary's sweep (``Canary.sweep``): the entries land in the sweep plan's columns exactly,
 whatever an earlier, longer sweep left behind them; a clean sweep reports nothing and a record
 damaged since its stamp is reported by the sweep, at SWEEP, naming the slot. Held slots
-(``Canary.hold``) reach the HEAD after each hold, small or large. Runs only where a GPU is present."""
+(``Canary.hold``) reach the HEAD after each hold, small or large. A warmed-up canary loads and
+verifies the plan by replaying a captured graph (``runtime.sweep_graphs``): the same columns,
+counts and violations as a canary that launches each step, at every size class boundary. Runs
+only where a GPU is present."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from kvcanary.core.record import FINGERPRINT, Reason, record_words
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.sweep import SweepRun
+from kvcanary.runtime.sweep_graphs import class_sizes
 
 from ._helpers import prefilled, read_all
 
@@ -86,3 +90,49 @@ def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size(busy
         found = _write_into(c, [free[3], target], 9)
         conflicts = [v for v in found if v.reasons & Reason.READ_CONFLICT]
         assert [(v.slot, v.point.name) for v in conflicts] == [(target, "HEAD")]
+
+
+def _columns(c: Canary, n: int) -> list:
+    p = c.sweep_plan
+    return [int(p.count[0])] + [t[:n].tolist() for t in (p.slot, p.pred, p.position, p.token, p.entry, p.row)]
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_a_replayed_sweep_loads_and_reports_what_launched_steps_do_at_every_class_boundary(seed):
+    """Plan capacity 300: classes of 256 and 300 entries. Budgets of 1, 255, 256, 257 entries and
+    the whole cache, each swept twice (the second time the plan holds the window: a replay of the
+    same class), beside a canary built without warm-up (each step launched); then a record
+    damaged in the window is reported by both, at SWEEP, naming the slot."""
+    graphed, slots, tokens = prefilled(seed, "cuda", 600, 160, 100, 512, plan_capacity=300)
+    launched, slots2, _ = prefilled(seed, "cuda", 600, 160, 100, 512, plan_capacity=300, warmup=False)
+    assert slots2 == slots and launched._sweep_graphs is None
+    graphs = graphed._sweep_graphs
+    assert graphs is not None and graphs.sizes == class_sizes(300) == [256, 300]
+    replays = []
+    load, again = graphs.load, graphs.again
+    graphs.load = lambda cols, n: replays.append(("load", n)) or load(cols, n)
+    graphs.again = lambda: replays.append(("again",)) or again()
+    runs = _runs(slots, tokens, 0)
+    total = sum(map(len, slots))
+    assert total > 300  # the last budget fills the plan
+    for entries in (1, 255, 256, 257, total):
+        budget = entries * graphed.entry_bytes()
+        for c in (graphed, launched):  # the same cursor on both: each sweep continues where the last stopped
+            c._sweep_cursor = 0
+        replays.clear()
+        n = graphed.sweep(runs, budget)
+        assert n == launched.sweep(runs, budget) == min(entries, 300)
+        assert _columns(graphed, n) == _columns(launched, n)
+        assert replays == [("load", n)]
+        for c in (graphed, launched):
+            c._sweep_cursor = 0
+        assert graphed.sweep(runs, budget) == launched.sweep(runs, budget) == n
+        assert replays == [("load", n), ("again",)]  # the same window of the same entries: the plan holds it
+        assert read_all(graphed, 1) == read_all(launched, 1) == []
+    bad = slots[0][5]  # within the first 256 entries of the runs
+    for c in (graphed, launched):
+        record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 21
+        c._sweep_cursor = 0
+        c.sweep(runs, 256 * c.entry_bytes())
+    found = [[(v.slot, v.point.name, v.reasons) for v in read_all(c, 2)] for c in (graphed, launched)]
+    assert found[0] == found[1] == [(bad, "SWEEP", Reason.FINGERPRINT)]

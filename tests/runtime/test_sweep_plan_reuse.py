@@ -11,6 +11,7 @@ import torch
 from kvcanary.core.record import FINGERPRINT, Reason, record_words
 from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.sweep import SweepRun
+from kvcanary.runtime.sweep_graphs import SMALLEST, STEP, _count_word, class_sizes, staging_words
 
 from ._helpers import prefilled, read_all
 
@@ -102,6 +103,20 @@ def _write(c, device: str, slots: list[int], token: int) -> list:
     c.prepare_head(b)
     c.launch_head(b)
     return read_all(c, 10)
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 255, 256, 257, 300, 1001, 4096, 65536, 65537])
+def test_the_sweep_graphs_classes_cover_the_plan_and_their_counts_sit_aligned_after_their_rows(capacity):
+    """Each class of ``runtime.sweep_graphs`` (the smallest one holding a sweep's entries is
+    replayed): increasing, the last the plan's capacity, its count word even (an int64 view) and
+    past its five rows, all within the staging words allocated for the plan."""
+    sizes = class_sizes(capacity)
+    assert sizes[-1] == capacity and sizes == sorted(set(sizes)) and sizes[0] == min(SMALLEST, capacity)
+    assert all(b <= a * STEP for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+    for m in sizes:
+        c = _count_word(m)
+        assert c % 2 == 0 and 5 * m <= c <= 5 * m + 1 and c + 2 <= staging_words(capacity)
+    assert staging_words(capacity) - 2 == _count_word(capacity)
 
 
 @pytest.mark.parametrize("device,fused", PATHS)

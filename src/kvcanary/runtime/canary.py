@@ -58,6 +58,7 @@ from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
+from kvcanary.runtime.sweep_graphs import SweepGraphs, staging_words
 from kvcanary.runtime.warmup import warm_up
 from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
 
@@ -214,14 +215,16 @@ class Canary:
         # the window of those arrays the sweep plan holds (``_window_of``): a sweep over the same
         # entries launches the verify without staging or copying them again
         self._plan_window: tuple | None = None
-        # CUDA: pinned words a sweep's entries are copied from, packed (``_staged``), the device words
-        # they land in before they are spread into the plan's columns, and the event of their last
-        # copy; made here, not at the first sweep, which would pay the pinned allocation (about a ms)
+        # CUDA: pinned words a sweep's entries are copied from (packed by ``_staged``, or laid out by
+        # the sweep's graphs), the device words they land in before they are spread into the plan's
+        # columns, and the event of their last copy; made here, not at the first sweep, which would
+        # pay the pinned allocation (about a ms)
         on_cuda = dev.type == "cuda"
-        cap = self.sweep_plan.capacity
-        self._staging = torch.empty(5 * cap, dtype=torch.int32, pin_memory=True) if on_cuda else None
-        self._landing = torch.empty(5 * cap, dtype=torch.int32, device=dev) if on_cuda else None
+        words = staging_words(self.sweep_plan.capacity)
+        self._staging = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_cuda else None
+        self._landing = torch.zeros(words, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
+        self._sweep_graphs: SweepGraphs | None = None  # the plan's load and verify as graphs (``warmup``)
         # CUDA: the held slots' pinned words, their device words and the event of their last copy (every
         # slot at most once: a prefix cache holds each slot in one place)
         self._held_words = (torch.empty(geometry.num_slots, dtype=torch.int64, pin_memory=True),
@@ -299,10 +302,26 @@ class Canary:
         return self.side_eager or (torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
 
     def warmup(self) -> float:
-        """Compile every kernel variant this canary launches, so no step pays a compile; runs on
-        construction on CUDA (``warmup=False`` skips it). Touches no record; returns seconds."""
+        """Compile every kernel variant this canary launches, so no step pays a compile, and on
+        CUDA capture the sweep plan's load and verify (``runtime.sweep_graphs``); runs on
+        construction on CUDA (``warmup=False`` skips it: sweeps then launch one by one). Touches no
+        record; returns seconds."""
         self.warmup_seconds = warm_up(self)
         return self.warmup_seconds
+
+    def _capture_sweeps(self) -> None:
+        """The sweep plan's load and verify as graphs (CUDA with the bound verify), once; where
+        the device cannot capture them, sweeps launch one by one, as without a warm-up."""
+        if (self._sweep_graphs is not None or self._sweep_verify is None or self._sweep_block is None
+                or torch.cuda.is_current_stream_capturing()):
+            return
+        tag = self.tag(LaunchPoint.SWEEP)
+        verify = self._sweep_verify
+        try:
+            self._sweep_graphs = SweepGraphs(self.sweep_plan, self._sweep_block, lambda: verify(tag), self._staging,
+                                             self._landing, self._staging_read, self.state.check)
+        except RuntimeError as e:
+            log.warning("kv_canary: sweeps launch one by one, their graphs could not be captured (%s)", e)
 
     def tag(self, point: LaunchPoint) -> int:
         return self._tags[point]
@@ -648,6 +667,10 @@ class Canary:
             return n
         if self.cpu is not None and self.cpu.verify(slot, pred, pos, tok, self.tag(LaunchPoint.SWEEP)):
             return n  # the compiled verify of the entries themselves: no plan tensors filled
+        graphs = self._sweep_graphs
+        if graphs is not None:  # staged, then one replay: copy, spread, count, verify
+            graphs.load((slot, pred, pos, tok), n)
+            return n
         on_cuda = p.slot.device.type == "cuda"
         if n:
             block = self._sweep_block
@@ -676,7 +699,9 @@ class Canary:
         """Verify the entries the sweep plan holds."""
         self.join()
         p = self.sweep_plan
-        if self._sweep_verify is not None:  # enable: set once (nothing else writes this plan's)
+        if self._sweep_graphs is not None:  # the last load was a replay too: its words are still staged
+            self._sweep_graphs.again()
+        elif self._sweep_verify is not None:  # enable: set once (nothing else writes this plan's)
             self._sweep_verify(self.tag(LaunchPoint.SWEEP))
         else:
             p.enable.fill_(1)

@@ -11,7 +11,8 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 |                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
 | the truth scatter (truth on)   | each (block, warps) of ``SCATTER_VARIANTS``, whole histories and appends |
-| SWEEP (the plan's verify)      | one                                                       |
+| SWEEP (the plan's verify)      | one; on CUDA then captured with the plan's load, one graph per size class |
+|                                | (``runtime.sweep_graphs``)                                |
 
 The launches touch no record (empty batches, an empty sweep plan); the launch counters, the
 violation ring's counter and the sweep plan's count are restored afterwards, so a warmed-up
@@ -92,6 +93,7 @@ def warm_up(canary: Canary) -> float:
                 scatter_validated(flat, offsets, offsets[:1], torch.zeros(1, 1024, dtype=torch.int32, device=dev),
                                   state.error, lens, True, starts, variant)
     canary._load_sweep_plan([], [], [], [])
+    canary._capture_sweeps()  # after the verify's compile: a capture cannot compile
     for t, before in saved:
         t.copy_(before)
     canary.totals.seconds = seconds

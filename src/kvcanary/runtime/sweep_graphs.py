@@ -1,0 +1,130 @@
+"""CUDA: a sweep's device half as one graph replay.
+
+Loading the sweep plan on CUDA takes four calls: copy the staged entries from pinned host words
+to the device, spread them into the plan's columns, set the plan's count, launch the verify. Each
+costs tens of µs where an engine calls it, between its model's launches (caches cold). A
+``SweepGraphs`` captures those four once per size class (the first ``m`` entries of each column;
+classes from 256 entries up to the plan's capacity, a factor of 4 apart) when the canary warms
+up. A sweep then writes its entries and their count into the pinned words and replays the
+smallest class that holds them: one call, and one event record, so that the next sweep does not
+rewrite words the copy has not read yet.
+
+| words (int32)             | what                                                          |
+|---------------------------|---------------------------------------------------------------|
+| ``[0, 5m)``               | slot, pred, position, token, entry (= slot): 5 rows of ``m``  |
+| ``[c, c + 2)``, c = 5m rounded up to even | the count, one int64                          |
+
+Entries past the count in a class's rows are left from earlier sweeps: the verify reads only the
+first ``count``. The plan's ``row`` column stays 0 (nothing else writes this plan's).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvcanary.ops.plan import Plan
+
+SMALLEST = 256  # entries of the smallest class
+STEP = 4  # each class this many times the one before
+
+
+def class_sizes(capacity: int) -> list[int]:
+    """The entry counts of the classes for a plan of ``capacity`` entries: 256, 1024, ... and the
+    capacity itself last."""
+    sizes, m = [], SMALLEST
+    while m < capacity:
+        sizes.append(m)
+        m *= STEP
+    sizes.append(capacity)
+    return sizes
+
+
+def _count_word(m: int) -> int:
+    """Where a class of ``m`` entries keeps its count: the first even word after its rows (an
+    int64 view needs 8-byte alignment)."""
+    return (5 * m + 1) // 2 * 2
+
+
+def staging_words(capacity: int) -> int:
+    """The int32 words of the pinned staging (and of its device landing) for a plan of ``capacity``
+    entries: the largest class's rows and count."""
+    return _count_word(capacity) + 2
+
+
+class SweepGraphs:
+    """One captured graph per size class loading ``plan`` (through ``block``, its entry columns as
+    one [6, capacity] block) and launching ``verify`` (a callable that launches the plan's verify
+    on the current stream, capturable: a ``BoundVerify`` with its tag). ``staging`` (pinned) and
+    ``landing`` (on the plan's device): int32 words, ``staging_words(capacity)`` of them;
+    ``read``: the event of the last copy out of ``staging``; ``check``: raises where the buffers
+    the graphs write moved since (``DeviceState.check``), called before every replay. Captures on
+    construction; call it where no capture is under way."""
+
+    def __init__(self, plan: Plan, block: torch.Tensor, verify: Callable[[], None], staging: torch.Tensor,
+                 landing: torch.Tensor, read: torch.cuda.Event, check: Callable[[], None]):
+        device = block.device
+        self.sizes = class_sizes(plan.capacity)
+        if staging.numel() < staging_words(plan.capacity) or landing.numel() < staging.numel():
+            raise ValueError(f"sweep staging of {staging.numel()} and landing of {landing.numel()} words < "
+                             f"{staging_words(plan.capacity)} (plan capacity {plan.capacity})")
+        self.device, self.read, self.check = device, read, check
+        host = staging.numpy()
+        self._rows = [host[: 5 * m].reshape(5, m) for m in self.sizes]
+        self._counts = [host[_count_word(m): _count_word(m) + 2].view(np.int64) for m in self.sizes]
+        self._last = 0  # the class the plan was last loaded through
+        stream = torch.cuda.Stream(device=device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = []
+        # no garbage collection inside a capture: one that frees another graph or pinned buffer there
+        # invalidates it
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for m in self.sizes:
+                c = _count_word(m)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(stream):
+                    g.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        landing[: c + 2].copy_(staging[: c + 2], non_blocking=True)
+                        block[:5, :m].copy_(landing[: 5 * m].view(5, m))
+                        plan.count.copy_(landing[c: c + 2].view(torch.int64))
+                        verify()
+                    finally:
+                        g.capture_end()
+                self.graphs.append(g)
+        finally:
+            if collecting:
+                gc.enable()
+        current.wait_stream(stream)
+
+    @property
+    def capacity(self) -> int:
+        return self.sizes[-1]
+
+    def load(self, cols: Sequence, n: int) -> None:
+        """Load the plan with ``n`` entries (``cols``: slot, pred, position, token; int64 arrays or
+        sequences of n integers, at most ``capacity``) and verify them, on the current stream."""
+        self.check()
+        k = next(i for i, m in enumerate(self.sizes) if n <= m)
+        self.read.synchronize()  # a sweep or more old: long done
+        rows = self._rows[k]
+        for i in range(4):
+            rows[i, :n] = cols[i]  # cast to int32 as they are written
+        rows[4, :n] = rows[0, :n]
+        self._counts[k][0] = n
+        self._last = k
+        self.graphs[k].replay()
+        self.read.record(torch.cuda.current_stream(self.device))
+
+    def again(self) -> None:
+        """Verify the entries the last ``load`` staged (they are still in the pinned words)."""
+        self.check()
+        self.graphs[self._last].replay()
+        self.read.record(torch.cuda.current_stream(self.device))
