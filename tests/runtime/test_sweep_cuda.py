@@ -136,3 +136,28 @@ def test_a_replayed_sweep_loads_and_reports_what_launched_steps_do_at_every_clas
         c.sweep(runs, 256 * c.entry_bytes())
     found = [[(v.slot, v.point.name, v.reasons) for v in read_all(c, 2)] for c in (graphed, launched)]
     assert found[0] == found[1] == [(bad, "SWEEP", Reason.FINGERPRINT)]
+
+
+def test_a_replayed_sweep_that_holds_its_runs_holds_the_slots_its_graph_widened_and_keeps_them_past_a_reload():
+    """``sweep(runs, hold=True)`` over every entry, from the first: the held slots are the view the
+    replay widened (no copy of their own), every slot in order; a landed copy's check before the
+    next HEAD replays the graph again, so the held slots become a copy first. A write into one of
+    them is then a READ_CONFLICT at HEAD; into a free slot, nothing."""
+    c, slots, tokens = _filled(10)
+    graphs = c._sweep_graphs
+    runs = _runs(slots, tokens, 2)
+    every = [s for r in runs for s in r.slots.tolist()]
+    c.sweep(runs, hold=True)
+    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    c.verify_landed(torch.tensor(slots[1][:6]))  # replays the graph with other entries
+    assert c.held.data_ptr() != graphs.held.data_ptr() and c.held.tolist() == every
+    assert graphs.held[:6].tolist() == slots[1][:6]
+    free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
+    assert _write_into(c, free[:2], 3) == []
+    c.sweep(runs, hold=True)  # the plan does not hold the runs' window since the landed check: loaded again
+    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    c.sweep(runs, hold=True)  # the window the plan holds: replayed again, held again
+    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    target = every[len(every) // 2]
+    found = _write_into(c, [free[2], target], 4)
+    assert [(v.slot, v.point.name) for v in found if v.reasons & Reason.READ_CONFLICT] == [(target, "HEAD")]

@@ -225,6 +225,7 @@ class Canary:
         self._landing = torch.zeros(words, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.cuda.Event() if on_cuda else None
         self._sweep_graphs: SweepGraphs | None = None  # the plan's load and verify as graphs (``warmup``)
+        self._held_in_plan = False  # ``held`` may be a view of the sweep graphs' words (``_keep_held``)
         # CUDA: the held slots' pinned words, their device words and the event of their last copy (every
         # slot at most once: a prefix cache holds each slot in one place)
         self._held_words = (torch.empty(geometry.num_slots, dtype=torch.int64, pin_memory=True),
@@ -636,10 +637,8 @@ class Canary:
         t0 = time.perf_counter()
         budget = self.config.sweep_budget_bytes if budget_bytes is None else budget_bytes
         n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
-        (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, self._sweep_cursor, n_max, self._runs)
-        if hold:
-            every = self._runs.last
-            self._hold_host(every[0] if every is not None else _slots_of_runs(runs))
+        start = self._sweep_cursor
+        (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, start, n_max, self._runs)
         window = _window_of(slot)
         held = self._plan_window
         if window is not None and held is not None and window[0] is held[0] and window[1:] == held[1:]:
@@ -649,6 +648,13 @@ class Canary:
             n = self._load_sweep_plan(slot, pred, pos, tok)
             if self.cpu is None:  # the plan holds them (the compiled CPU verify reads the host arrays)
                 self._plan_window = window
+        if hold:
+            every = self._runs.last
+            if every is not None and self._sweep_graphs is not None and n and n == every.shape[1] and start % n == 0:
+                self.held = self._sweep_graphs.held[:n]  # every slot, in order: widened by the replay
+                self._held_in_plan = True
+            else:
+                self._hold_host(every[0] if every is not None else _slots_of_runs(runs))
         self._meta.sweep_runs.append((slot, pos))
         self.totals.sweeps += 1
         self.totals.seconds += time.perf_counter() - t0
@@ -669,6 +675,7 @@ class Canary:
             return n  # the compiled verify of the entries themselves: no plan tensors filled
         graphs = self._sweep_graphs
         if graphs is not None:  # staged, then one replay: copy, spread, count, verify
+            self._keep_held()
             graphs.load((slot, pred, pos, tok), n)
             return n
         on_cuda = p.slot.device.type == "cuda"
@@ -700,6 +707,7 @@ class Canary:
         self.join()
         p = self.sweep_plan
         if self._sweep_graphs is not None:  # the last load was a replay too: its words are still staged
+            self._keep_held()
             self._sweep_graphs.again()
         elif self._sweep_verify is not None:  # enable: set once (nothing else writes this plan's)
             self._sweep_verify(self.tag(LaunchPoint.SWEEP))
@@ -707,6 +715,14 @@ class Canary:
             p.enable.fill_(1)
             verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
                    mode=self.config.real_kv, meta=self.meta)
+
+    def _keep_held(self) -> None:
+        """Before a replay of the sweep's graphs: held slots that are a view of their words (``sweep``
+        with ``hold``) and not yet read by a HEAD become a copy of their own."""
+        if self._held_in_plan:
+            if self.held is not None and self.held.data_ptr() == self._sweep_graphs.held.data_ptr():
+                self.held = self.held.clone()
+            self._held_in_plan = False
 
     def _staged(self, cols) -> torch.Tensor:
         """The sweep plan's first five entry columns packed in pinned host words, int32[5n] (``cols``:

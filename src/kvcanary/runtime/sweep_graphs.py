@@ -7,7 +7,9 @@ costs tens of µs where an engine calls it, between its model's launches (caches
 classes from 256 entries up to the plan's capacity, a factor of 4 apart) when the canary warms
 up. A sweep then writes its entries and their count into the pinned words and replays the
 smallest class that holds them: one call, and one event record, so that the next sweep does not
-rewrite words the copy has not read yet.
+rewrite words the copy has not read yet. The graphs also widen the plan's slots into ``held``
+(int64): a sweep that holds every slot of its runs and verifies them all, in order, holds that
+view instead of copying the slots again.
 
 | words (int32)             | what                                                          |
 |---------------------------|---------------------------------------------------------------|
@@ -72,6 +74,7 @@ class SweepGraphs:
             raise ValueError(f"sweep staging of {staging.numel()} and landing of {landing.numel()} words < "
                              f"{staging_words(plan.capacity)} (plan capacity {plan.capacity})")
         self.device, self.read, self.check = device, read, check
+        self.held = torch.zeros(plan.capacity, dtype=torch.int64, device=device)  # the loaded slots, widened
         host = staging.numpy()
         self._rows = [host[: 5 * m].reshape(5, m) for m in self.sizes]
         self._counts = [host[_count_word(m): _count_word(m) + 2].view(np.int64) for m in self.sizes]
@@ -95,6 +98,7 @@ class SweepGraphs:
                         landing[: c + 2].copy_(staging[: c + 2], non_blocking=True)
                         block[:5, :m].copy_(landing[: 5 * m].view(5, m))
                         plan.count.copy_(landing[c: c + 2].view(torch.int64))
+                        self.held[:m].copy_(block[0, :m])
                         verify()
                     finally:
                         g.capture_end()
