@@ -19,13 +19,13 @@ the canary's buffers are the engine's own persistent tensors, read in place.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.capture import collection_paused
 
 # the per-step tensors of a ForwardBatch a graph reads from fixed buffers
 STATIC_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
@@ -82,16 +82,8 @@ class DecodeGraphs:
         static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in self.fields})
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        # no garbage collection inside the capture: torch no longer collects before one (2.9 on), and
-        # a collection there that frees another engine's graph or pinned buffer invalidates it
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.mempool):
-                logits = device_step(static)
-        finally:
-            if collecting:
-                gc.enable()
+        with collection_paused(), torch.cuda.graph(graph, pool=self.mempool):
+            logits = device_step(static)
         self.mempool = graph.pool()
         step = self.captured[batch.batch_size] = CapturedStep(graph, static, logits)
         return step

@@ -22,13 +22,13 @@ first ``count``. The plan's ``row`` column stays 0 (nothing else writes this pla
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvcanary.ops.plan import Plan
+from kvcanary.runtime.capture import collection_paused
 
 SMALLEST = 256  # entries of the smallest class
 STEP = 4  # each class this many times the one before
@@ -84,11 +84,7 @@ class SweepGraphs:
         stream.wait_stream(current)
         pool = torch.cuda.graph_pool_handle()
         self.graphs = []
-        # no garbage collection inside a capture: one that frees another graph or pinned buffer there
-        # invalidates it
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collection_paused():
             for m in self.sizes:
                 c = _count_word(m)
                 g = torch.cuda.CUDAGraph()
@@ -103,9 +99,6 @@ class SweepGraphs:
                     finally:
                         g.capture_end()
                 self.graphs.append(g)
-        finally:
-            if collecting:
-                gc.enable()
         current.wait_stream(stream)
 
     @property
