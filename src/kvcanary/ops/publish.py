@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.ops._common import tl, triton
+from kvcanary.ops.launcher import Fixed, launch
 
 
 def _publish_torch(block: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor) -> None:
@@ -60,3 +61,18 @@ def publish_counters(block: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor,
                               FENCE=block.is_cuda, num_warps=1)
     else:
         _publish_torch(block, seq, rows)
+
+
+class BoundPublish:
+    """``publish_counters(block, seq, rows, triton_path=True)`` with its three buffers keyed once
+    (``ops.launcher``): a call is one launch through the kept compiled kernel, where Triton's own
+    launch binds the arguments every time (an eager step publishes this way; a graph holds the
+    launch). Nothing is validated: the runtime builds the buffers (``runtime.snapshots``)."""
+
+    def __init__(self, block: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor):
+        w = block.shape[0]
+        self._fixed = Fixed(_publish_kernel, (block, seq, rows, rows.shape[0]))
+        self._constexprs = {"W": w, "BLOCK": triton.next_power_of_2(w), "FENCE": block.is_cuda}
+
+    def __call__(self) -> None:
+        launch(_publish_kernel, (1,), (), self._constexprs, num_warps=1, fixed=self._fixed)

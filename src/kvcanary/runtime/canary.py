@@ -193,6 +193,7 @@ class Canary:
         self.sweep_plan.enable.fill_(1)  # a sweep plan never overflows: its loads cap the count
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
+        self._device_index_of_truth = self.truth.get_device()  # a batch's device is compared as this int
         # HEAD and TAIL are one check_forward call each where a kernel serves; else the ops one by one
         self.backend = fused_backend(config.fused, dev)
         self.fused = self.backend is not None
@@ -418,13 +419,12 @@ class Canary:
         """What the truth scatter on CUDA needs beyond what ``ForwardBatch`` checked when it was
         built (dtypes, ranks, lengths, one device; device tensors get no value checks: the kernel
         masks and flags bad offsets and rows): the canary's device and contiguous tensors."""
-        if b.req_to_token.device != self.truth.device:
+        if b.req_to_token.get_device() != self._device_index_of_truth:
             raise BatchError(f"ForwardBatch is on {b.req_to_token.device} but the canary is on {self.truth.device}")
-        for name in ("truth_ids", "truth_offsets", "req_pool_indices", "truth_starts"):
-            t = getattr(b, name)
-            if t is None:
-                continue
-            if not t.is_contiguous():
+        for t in (b.truth_ids, b.truth_offsets, b.req_pool_indices, b.truth_starts):  # read as attributes: once a step
+            if t is not None and not t.is_contiguous():
+                name = next(n for n in ("truth_ids", "truth_offsets", "req_pool_indices", "truth_starts")
+                            if getattr(b, n) is t)
                 raise BatchError(f"ForwardBatch.{name} must be contiguous (got strides {t.stride()}); "
                                  f"pass {name}.contiguous()")
 
@@ -931,7 +931,10 @@ class Canary:
         totals.steps += 1
         report.alarms = self.watchdog.observe_launches(reporter.host_launches())
         self._replays = 0
-        report.device_flags = self._read_device_flags()
+        if not self._on_cuda:
+            report.device_flags = self._read_device_flags()
+        elif reporter.flags_read:  # CUDA: read with the counters
+            report.device_flags = self._take_device_flags(reporter.flags_read)
         if report.violations or report.alarms or self.incidents.pending or self._log_due(step):
             self._account(report, upto_step=step - reporter.lag)
         totals.seconds += time.perf_counter() - t0
@@ -952,11 +955,15 @@ class Canary:
             bits = self.cpu.error[0]
         else:
             bits = int(err[0])  # on CUDA this syncs: the end of a run
-        if bits:
-            err.zero_()
-            if bits & DeviceFlag.WORKSPACE:
-                for ws in self.state.workspaces:
-                    ws.reset()
+        return self._take_device_flags(bits) if bits else 0
+
+    def _take_device_flags(self, bits: int) -> int:
+        """Clear the error flags ``bits`` were read from (a WORKSPACE flag also resets the
+        workspaces); returns ``bits``."""
+        self.state.error.zero_()
+        if bits & DeviceFlag.WORKSPACE:
+            for ws in self.state.workspaces:
+                ws.reset()
         return bits
 
     def _report_device_flags(self, report: StepReport) -> None:

@@ -207,8 +207,9 @@ class _Snapshot:
 class Reporter:
     """Snapshots the ring counter, stats and error flags each step and decodes new rows one step
     later. On CUDA the three are read from preallocated pinned rows (``runtime.snapshots``): a
-    replayed graph publishes them itself; otherwise ``snapshot`` copies them (one copy when
-    ``block`` holds them back to back, as ``DeviceState.counter_block()``)."""
+    replayed graph publishes them itself, ``snapshot`` publishes them after eager forwards, and
+    where the device cannot publish it copies them (one copy when ``block`` holds them back to
+    back, as ``DeviceState.counter_block()``)."""
 
     def __init__(self, ring: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
                  sources: tuple[tuple[int, Half], ...] = (), *, error: torch.Tensor | None = None,
@@ -259,13 +260,14 @@ class Reporter:
         self.publication.launch()
 
     def snapshot(self, meta: StepMeta, replays: int = 0) -> None:
-        """Enqueue this step's counters (never blocks): ``replays`` graph replays since the last
-        snapshot published them (CUDA, ``start_publishing``); else they are copied now, behind the
-        step's checks."""
+        """Enqueue this step's counters (never blocks): with a publication (CUDA,
+        ``start_publishing``), ``replays`` graph replays since the last snapshot published them, or
+        with none this call publishes them now, behind the step's checks; else they are copied now."""
         reset = self._reset_next
-        if replays and self.publication is not None:
-            self.publication.expected += replays
-            snap = _Snapshot(meta, None, None, None, reset, seq=self.publication.expected)
+        pub = self.publication
+        if pub is not None:
+            pub.expected += self._published(replays)
+            snap = _Snapshot(meta, None, None, None, reset, seq=pub.expected)
         elif self.is_cuda:
             snap = self._copy_cuda(meta, reset)
         elif self._host_block is not None:
@@ -283,19 +285,27 @@ class Reporter:
             self._reset_next = False
 
     def advance(self, meta: StepMeta, replays: int = 0) -> list[Violation]:
-        """``snapshot`` then ``collect``. A replayed step whose snapshot a publication carries,
-        behind one published snapshot and no counter restart (every clean replayed step), takes
-        that snapshot's place in the queue and reads the one before it, in one call."""
+        """``snapshot`` then ``collect``. A step whose snapshot a publication carries, behind one
+        published snapshot and no counter restart (every clean step after the first), takes that
+        snapshot's place in the queue and reads the one before it, in one call."""
         pub, pending = self.publication, self._pending
-        if replays and pub is not None and not self._reset_next and len(pending) == 1 and self.lag == 1:
+        if pub is not None and not self._reset_next and len(pending) == 1 and self.lag == 1:
             old = pending[0]
             if type(old) is _Snapshot and old.seq >= 0:
-                pub.expected += replays
+                pub.expected += self._published(replays)
                 pending[0] = _Snapshot(meta, None, None, None, False, seq=pub.expected)
                 self.flags_read = 0
                 return self._read(old)
         self.snapshot(meta, replays)
         return self.collect()
+
+    def _published(self, replays: int) -> int:
+        """The publications this step adds: its ``replays`` (each graph published its counters),
+        or, after eager forwards only, one launched now on the current stream."""
+        if replays:
+            return replays
+        self.publication.launch()
+        return 1
 
     def _read_now(self, snap: _Snapshot) -> tuple[list[Violation], int]:
         """A pending snapshot's violations and error flags, read ahead of ``collect``."""
@@ -363,11 +373,9 @@ class Reporter:
         return out
 
     def _words(self, snap: _Snapshot) -> memoryview:
-        """The snapshot's ``ring_counter | stats | error`` words (waits for a step-old one), as a
-        memoryview of int64 (on CUDA the reporter's one read buffer: use it before the next read)."""
-        if snap.seq >= 0:
-            self.publication.read_into(snap.seq, self._read_words)
-            return self._read_words
+        """A copied snapshot's ``ring_counter | stats | error`` words (waits for a step-old one), as
+        a memoryview of int64 (on CUDA the reporter's one read buffer: use it before the next read);
+        ``_read`` reads a published one itself."""
         if snap.row >= 0:
             snap.event.synchronize()  # a step old: already complete on the device
             self._read_words[:] = self._copies.words[snap.row]
@@ -378,11 +386,21 @@ class Reporter:
         return memoryview(np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]]))
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
-        words = self._words(snap)
+        if snap.seq >= 0:  # a replay's publication (every clean replayed step): read in place here
+            words = self._read_words
+            self.publication.read_into(snap.seq, words)
+        else:
+            words = self._words(snap)
         if self.is_cuda:  # the error flags: the int32 in the low half of the last word
             low = words[-1] & 0xFFFFFFFF
-            self.flags_read |= low - (1 << 32) if low >> 31 else low
-        return self._rows(snap.meta, words[0], snap.reset, words)
+            if low:
+                self.flags_read |= low - (1 << 32) if low >> 31 else low
+        total = words[0]
+        if total <= self._read_upto and total < self._capacity and not snap.reset:  # nothing new (``_rows``)
+            self._latest_words[:] = words[1:-1]
+            self.latest_total = self._total_before + total
+            return []
+        return self._rows(snap.meta, total, snap.reset, words)
 
     def _rows(self, meta: StepMeta, total: int, reset: bool, words: memoryview | None = None,
               stats_read: bool = False) -> list[Violation]:

@@ -2,17 +2,20 @@
 
 | ring            | written by                                         | read when                         |
 |-----------------|----------------------------------------------------|-----------------------------------|
-| ``CopyRows``    | ``end_step``: one copy of the counter block into a | its event completed (a step late) |
-|                 | pinned row, one event record                       |                                   |
 | ``Publication`` | a kernel captured after TAIL in the step's graph   | its row shows the expected        |
-|                 | (``ops.publish``): the block and a sequence word  | sequence number (a step late)     |
+|                 | (``ops.publish``), or launched by ``end_step``     | sequence number (a step late)     |
+|                 | after eager forwards: the block and a sequence word|                                   |
+| ``CopyRows``    | ``end_step`` where the device cannot publish: one  | its event completed (a step late) |
+|                 | copy of the counter block into a pinned row, one   |                                   |
+|                 | event record                                       |                                   |
 
 A row holds the counter block: ``ring_counter | stats | error`` (``DeviceState.counter_block()``).
-An eagerly run forward is snapshotted by copy; a replayed graph publishes its own counters, so
-``end_step`` after a replay makes no CUDA call at all. The host counts the replays it expects
-(forwards prepared without an eager TAIL); when the expected row does not arrive (a replay
-without TAIL, replays without ``end_step``) the reader synchronises and falls back to the
-block as it is then, and counts on from the device's sequence number.
+A replayed graph publishes its own counters, so ``end_step`` after a replay makes no CUDA call
+at all; after eager forwards ``end_step`` makes one, the publication's launch (a copy and an
+event record, two calls, only where the device cannot publish). The host counts the
+publications it expects (one a replay, one a step of eager forwards); when the expected row
+does not arrive (a replay without TAIL, replays without ``end_step``) the reader synchronises
+and falls back to the block as it is then, and counts on from the device's sequence number.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from kvcanary.ops.publish import publish_counters
+from kvcanary.ops.publish import BoundPublish
 
 SPIN_CHECK_S = 1e-3  # while waiting for a published row, look this often whether the stream went idle
 
@@ -68,9 +71,12 @@ class Publication:
         self._width = self.view.shape[1]
         self.expected = 0  # sequence number of the last publication the host counted on
         self.fallbacks = 0  # reads that found no row and took the block after a synchronise
+        self._publish = BoundPublish(block, self.seq, self.rows)
 
     def launch(self) -> None:
-        publish_counters(self.block, self.seq, self.rows, triton_path=True)
+        """Publish the block now, on the current stream (a graph captures it after TAIL; an eager
+        step's ``end_step`` launches it)."""
+        self._publish()
 
     def probe(self) -> bool:
         """Publish once eagerly (compiles the kernel) and check that the row arrived whole; counts
