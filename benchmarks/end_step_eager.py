@@ -19,32 +19,28 @@ import time
 
 import torch
 
-from kvcanary import Canary, CanaryConfig, ForwardBatch, Half, KVSource, PoolGeometry
+from kvcanary import Canary, CanaryConfig, Half, KVSource, PoolGeometry
+from kvcanary.bench.floors import StepShape
+from kvcanary.bench.step_parts import StepBatch, write_covered
 from kvcanary.ops import FingerprintMode
 
+PAGE = 16
 
-def build(device: str, num_slots: int = 4096, ctx: int = 512, seed: int = 1) -> Canary:
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(num_slots, 2, 16, generator=gen).to(device, torch.bfloat16)
+
+def build(device: str, bs: int = 3, context: int = 512, seed: int = 1) -> Canary:
+    """A canary whose ``bs`` prefixes of ``context`` tokens were stamped by one forward."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = bs * (context // PAGE + 2) + 1
+    sb = StepBatch(StepShape("decode", bs, context, 1), pages, PAGE, device, gen, 30_000)
+    num_slots = PAGE * pages
+    kv = torch.randn(num_slots, 2, 16, generator=gen, device=device).to(torch.bfloat16)
     # steps without forwards: a watchdog window longer than the loop keeps HEAD and TAIL from alarming
-    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, max_bs=4, max_tokens=2048, sweep_interval=0,
+    config = CanaryConfig(real_kv=FingerprintMode.PARTIAL, max_bs=bs + 1, max_tokens=bs * context, sweep_interval=0,
                           watchdog_window=1 << 30)
-    c = Canary(config, PoolGeometry(num_slots, 4, ctx, device), sources=[KVSource.from_buffer(kv, half=Half.K)])
-    lens = torch.randint(200, ctx, (3,), generator=gen).tolist()
-    perm = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
-    slots, tokens, at = [], [], 0
-    for n in lens:
-        slots.append(perm[at: at + n])
-        tokens.append(torch.randint(0, 30_000, (n,), generator=gen).tolist())
-        at += n
-    table = torch.zeros(4, ctx, dtype=torch.int32)
-    for r, s in enumerate(slots, start=1):
-        table[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
-    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    b = ForwardBatch(i64([1, 2, 3]), i64([0, 0, 0]), i64(lens), table.to(device), i64(sum(tokens, [])),
-                     i64([p for n in lens for p in range(n)]), i64(sum(slots, [])))
-    with c.forward(b):
-        kv[b.out_cache_loc] = torch.randn(b.out_cache_loc.numel(), 2, 16, generator=gen).to(device, torch.bfloat16)
+    source = KVSource.from_buffer(kv, half=Half.K)
+    c = Canary(config, PoolGeometry(num_slots, bs + 1, sb.held, device), sources=[source])
+    with c.forward(sb.fill):
+        write_covered(c, sb.fill)
     c.end_step(0)
     return c
 

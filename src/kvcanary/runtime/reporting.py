@@ -386,7 +386,7 @@ class Reporter:
         return memoryview(np.concatenate([snap.counter.numpy(), snap.stats.numpy().reshape(-1), [0]]))
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
-        if snap.seq >= 0:  # a replay's publication (every clean replayed step): read in place here
+        if snap.seq >= 0:  # a published row (every step where the device publishes): read in place here
             words = self._read_words
             self.publication.read_into(snap.seq, words)
         else:
