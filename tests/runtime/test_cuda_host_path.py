@@ -1,6 +1,7 @@
 """The per-step host path on CUDA: counters, stats and error flags snapshotted into preallocated
-pinned rows (one copy, nothing allocated per step) and read one step late; the token-truth
-scatter in one launch that also writes the truth lengths. Runs only where a GPU is present."""
+pinned rows (published by a kernel, or where the device cannot publish one copy; nothing
+allocated per step) and read one step late; the token-truth scatter in one launch that also
+writes the truth lengths. Runs only where a GPU is present."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROWS, CTX = 5, 24
 
 
-def _canary(device: str, **config) -> Canary:
+def _canary(device: str, snapshots: str = "published", **config) -> Canary:
+    """A canary; ``snapshots="copied"``: as on a device that cannot publish into pinned memory."""
     cfg = CanaryConfig(**({"policy": Policy.LOG, "max_bs": 4, "max_tokens": 64, "sweep_interval": 0} | config))
-    return Canary(cfg, PoolGeometry(num_slots=ROWS * CTX + 1, rows=ROWS, max_ctx=CTX, device=device))
+    canary = Canary(cfg, PoolGeometry(num_slots=ROWS * CTX + 1, rows=ROWS, max_ctx=CTX, device=device))
+    if snapshots == "copied":
+        canary.reporter.publication, canary.publishing = None, False
+    return canary
 
 
 def _batch(device: str, gen: torch.Generator, tokens: torch.Tensor, prefix: int, extend: int,
@@ -43,16 +48,20 @@ def _tokens(gen: torch.Generator) -> torch.Tensor:
     return torch.randint(1, 50_000, (ROWS, CTX), generator=gen)
 
 
-def test_snapshots_reuse_their_pinned_rows_and_match_a_synchronous_read():
+@pytest.mark.parametrize("snapshots", ["published", "copied"])
+def test_snapshots_reuse_their_pinned_rows_and_match_a_synchronous_read(snapshots):
     gen = torch.Generator().manual_seed(3)
     tokens = _tokens(gen)
-    canary = _canary("cuda")
-    rows_before = len(canary.reporter._copies.rows)
+    canary = _canary("cuda", snapshots)
+    copies = canary.reporter._copies
+    rows_before = len(copies.rows)
     for step in range(12):
         with canary.forward(_batch("cuda", gen, tokens, step, 1)):
             pass
         assert canary.end_step(step).violations == []
-    assert len(canary.reporter._copies.rows) == rows_before  # nothing allocated per step
+    assert len(copies.rows) == rows_before  # nothing allocated per step
+    if snapshots == "published":  # eager steps publish: no copy row taken, every row arrived in time
+        assert len(copies.free) == rows_before and canary.reporter.publication.fallbacks == 0
     canary.flush(12)
     torch.cuda.synchronize()
     assert torch.equal(canary.reporter.latest_stats, canary.state.stats.cpu())
@@ -68,10 +77,11 @@ def _run(canary: Canary, gen, tokens, steps: range) -> list:
     return reports
 
 
-def test_a_violation_is_reported_one_step_late_and_only_then():
+@pytest.mark.parametrize("snapshots", ["published", "copied"])
+def test_a_violation_is_reported_one_step_late_and_only_then(snapshots):
     gen = torch.Generator().manual_seed(4)
     tokens = _tokens(gen)
-    canary = _canary("cuda")
+    canary = _canary("cuda", snapshots)
     assert all(r.violations == [] for r in _run(canary, gen, tokens, range(4)))
     canary.flush(4)
     slot = 1 * CTX + 2 + 1  # row 1, position 2
