@@ -6,8 +6,8 @@ a copy into a pinned row and an event record) and the read of the step before.
 
 A canary (partial fingerprints of one K source) stamps three prefixes in one forward; then
 ``end_step`` runs alone, step after step, timed with the device idle (synchronised first) and
-with it busy (a ~100 µs sleep kernel queued first, CUDA only). Prints the median and minimum µs
-of the steps after the first quarter; every step must report zero violations and no device
+with it busy (a ~100 µs sleep kernel queued first, CUDA only). Prints the median µs of the steps
+after the first quarter and their range; every step must report zero violations and no device
 flags. ``--device cpu`` runs the same loop on the CPU path (no publication there).
 """
 
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             step += 1
         times = times[len(times) // 4:]
         print(f"device {'busy' if busy else 'idle'}: end_step without a replay, "
-              f"median {statistics.median(times) * 1e6:.1f} µs, min {min(times) * 1e6:.1f} µs")
+              f"median {statistics.median(times) * 1e6:.1f} µs [{min(times) * 1e6:.1f}-{max(times) * 1e6:.1f}]")
     pub = c.reporter.publication
     print(f"publishing: {c.publishing}; fallbacks: {pub.fallbacks if pub is not None else '-'}")
 
