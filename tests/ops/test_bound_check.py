@@ -179,3 +179,80 @@ def test_a_non_tensor_held_or_lut_is_refused_and_named(arg):
     assert not check(*batch.values(), tag=0, **{arg: [3, 4]})
     with pytest.raises(InputTypeError, match=f"{arg} must be a torch.Tensor"):
         check_forward(state=state, **batch, tag=0, stamp=True, **{arg: [3, 4]}, backend=Backend.TRITON)
+
+
+def _memo_batch(gen: torch.Generator, device) -> tuple:
+    bs, n = 3, 7
+    i64 = lambda k: torch.randint(0, 50, (k,), generator=gen).to(device)  # noqa: E731
+    table = torch.randint(0, 50, (4, 16), generator=gen, dtype=torch.int32).to(device)
+    return i64(bs), i64(bs), i64(bs), table, i64(n), i64(n), i64(n)
+
+
+def _addresses(batch: tuple, lut) -> list:
+    """``_CheckLaunch.tensors``' addresses for ``batch`` (truth, lengths and held from elsewhere)."""
+    rpi, pre, ext, rtt, ids, pos, loc = batch
+    other = torch.zeros(2, dtype=torch.int64)
+    return [t.data_ptr() for t in (rpi, pre, ext, rtt, lut if lut is not None else other, other, other, ids, pos,
+                                   loc, other)]
+
+
+@pytest.mark.parametrize("with_lut", [False, True])
+def test_the_batch_memo_takes_the_same_tensors_at_the_same_addresses_only(with_lut):
+    from kvcanary.ops.check import BatchMemo
+
+    gen = torch.Generator().manual_seed(11)
+    batch = _memo_batch(gen, "cpu")
+    lut = torch.randint(0, 9, (20,), generator=gen) if with_lut else None
+    memo = BatchMemo()
+    assert not memo.holds(batch, lut, 0)
+    sizes = memo.remember(batch, lut, _addresses(batch, lut), 0)
+    assert sizes == (7, 3, 4, 16, 16, 20 if with_lut else 0)
+    assert memo.holds(batch, lut, 0) and memo.laid(_addresses(batch, lut), lut) == sizes
+    assert not memo.holds(batch, lut, 1)  # another device
+    copy = tuple(t.clone() for t in batch)  # equal values, other tensors
+    assert not memo.holds(copy, lut, 0)
+    if with_lut:
+        assert not memo.holds(batch, lut.clone(), 0)
+    for i in range(7):  # a tensor whose storage moved in place: its address is not the one remembered
+        moved = list(batch)
+        t = moved[i]
+        t.set_(t.clone().untyped_storage(), 0, t.shape, t.stride())
+        assert memo.holds(batch, lut, 0) and memo.laid(_addresses(batch, lut), lut) is None
+        memo.remember(batch, lut, _addresses(batch, lut), 0)  # laid out again
+        assert memo.laid(_addresses(batch, lut), lut) == sizes
+    if with_lut:
+        lut.set_(lut.clone().untyped_storage(), 0, lut.shape, lut.stride())
+        assert memo.laid(_addresses(batch, lut), lut) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the memo serves device batches")
+def test_a_tail_after_its_head_reads_no_layout_again_and_gives_check_forwards_bytes(monkeypatch):
+    from kvcanary.ops.check import BatchMemo
+
+    w = make_world(torch.Generator().manual_seed(12), [9, 4, 0], [3, 1, 2], mode=FingerprintMode.PARTIAL,
+                   with_truth=True, corrupt=0.2, lut=False, window=0, stamp=True, tag=0)
+    got, layouts = {}, []
+    layout_ok = BoundCheck._layout_ok
+    monkeypatch.setattr(BoundCheck, "_layout_ok", lambda self, *a, **k: layouts.append(1) or layout_ok(self, *a, **k))
+    for bound in (False, True):
+        state = state_of(w, 4, 8)
+        sources = on_device(w["sources"], DEV)
+        batch = {k: on_device(w[k], DEV) for k in BATCH}
+        truth, lens = on_device(w["truth"], DEV), padded_lens(w, 4, torch.Generator().manual_seed(1))
+        if bound:
+            memo = BatchMemo()
+            head, tail = (BoundCheck(state, stamp=stamp, sources=sources, mode=FingerprintMode.PARTIAL, truth=truth,
+                                     truth_lens=lens, memo=memo) for stamp in (True, False))
+            assert head(*batch.values(), tag=0, truth=True) and layouts == [1]
+            assert tail(*batch.values(), tag=1, truth=True) and layouts == [1]  # the memo's sizes
+            moved = batch["positions"]
+            moved.set_(moved.clone().untyped_storage(), 0, moved.shape, moved.stride())
+            assert tail(*batch.values(), tag=1, truth=True) and layouts == [1, 1]  # a moved tensor: laid out again
+        else:
+            for stamp, tag in ((True, 0), (False, 1), (False, 1)):
+                check_forward(state=state, **batch, tag=tag, stamp=stamp, truth=truth, truth_lens=lens[:3],
+                              sources=sources, mode=FingerprintMode.PARTIAL, backend=Backend.TRITON)
+        got[bound] = outputs(state, sources)
+    for name, want in got[False].items():
+        assert_same(f"{name} (bound, memo)", got[True][name], want)

@@ -163,3 +163,71 @@ def test_a_fixed_tensor_resized_in_place_is_launched_at_its_new_address():
     torch.cuda.synchronize()
     assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
     assert int(err[0]) == 0 and int((pool != -5).sum()) == 8
+
+
+def _typed_scatter(shift: int, big: bool, seed: int):
+    """The scatter through ``launch_typed`` (its variant: the constexprs; the dtypes are the
+    kernel's own) on ``_scatter_args``, and the same launch through Triton's; both results."""
+    constexprs = dict(BLOCK=128, HAS_LENS=True, HAS_STARTS=True)
+    results = []
+    for typed in (False, True):
+        args = _scatter_args(torch.Generator().manual_seed(seed), shift, big)
+        tensors, ints = args[:7], args[7:]
+        if typed:
+            launcher.launch_typed(_scatter_kernel, (4, 1), tensors, ints, "typed test", constexprs)
+        else:
+            _scatter_kernel[(4, 1)](*args, **constexprs)
+        results.append([t.cpu() for t in (tensors[3], tensors[4], tensors[5])])
+    return results
+
+
+def test_a_typed_launch_relaunches_its_variants_kernel_and_computes_as_tritons_launch(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    k = launcher._kernel(_scatter_kernel)
+    k.typed.clear()
+    runs, keyed = [], []
+    run, keyed_launch = JITFunction.run, launcher.launch
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: runs.append(1) or run(self, *a, **kw))
+    monkeypatch.setattr(launcher, "launch", lambda *a, **kw: keyed.append(1) or keyed_launch(*a, **kw))
+    for seed in (1, 2):  # the first call keys the arguments and keeps the kernel for the variant
+        want, got = _typed_scatter(0, False, seed)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(k.typed) == 1
+    for shift in (0, 1, 2):  # addresses at other residues modulo 16: keyed once each, then kept
+        for seed in (3, 4):
+            runs.clear(), keyed.clear()
+            want, got = _typed_scatter(shift, False, seed)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            assert len(keyed) or len(runs) == 1  # kept: the one JITFunction.run is the reference launch
+            assert len(keyed) == (seed == 3 and shift != 0)
+    assert len(k.typed) == 3
+    for shift in (0, 1):  # an int beyond int32: keyed every time, nothing kept for it
+        keyed.clear()
+        want, got = _typed_scatter(shift, True, 5)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert len(keyed) == 1
+    assert len(k.typed) == 3
+
+
+def test_a_typed_launch_with_a_moved_fixed_tensor_keys_it_again():
+    gen = torch.Generator().manual_seed(8)
+    flat = torch.randint(-1000, 1000, (8,), generator=gen).cuda()
+    offsets, rows = torch.tensor([0, 3, 8], device="cuda"), torch.tensor([1, 2], device="cuda")
+    pool = torch.full((3, 8), -5, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fixed = launcher.Fixed(_scatter_kernel, (flat, offsets, rows, pool))
+    constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)
+    for _ in range(2):
+        launcher.launch_typed(_scatter_kernel, (3, 1), (err, err, offsets), (8, 2, 3, 8, 8), "v", constexprs,
+                              fixed=fixed)
+    (kept,) = fixed.typed.values()  # one (device, warps, variant, address residues)
+    before = pool.data_ptr()
+    pool.resize_(1 << 20, 8).fill_(-5)  # a new allocation: the old address is freed
+    assert pool.data_ptr() != before
+    launcher.launch_typed(_scatter_kernel, (3, 1), (err, err, offsets), (8, 2, 1 << 20, 8, 8), "v", constexprs,
+                          fixed=fixed)
+    torch.cuda.synchronize()
+    assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
+    assert int(err[0]) == 0 and int((pool != -5).sum()) == 8
+    assert len(fixed.typed) == 1 and next(iter(fixed.typed.values())) is not kept  # kept again, new address

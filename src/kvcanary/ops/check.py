@@ -37,6 +37,8 @@ the epoch: one ``Workspace`` per stream of launches.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from kvcanary.core.record import LaunchPoint, record_words
@@ -74,7 +76,7 @@ from kvcanary.ops.fingerprint import (
 )
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
-from kvcanary.ops.launcher import Fixed, launch
+from kvcanary.ops.launcher import Fixed, launch_typed
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, check_window, validate_batch
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
@@ -532,27 +534,88 @@ class _CheckLaunch:
         self._variants: dict = {}
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag) -> None:
-        n, bs = ids.shape[0], rpi.shape[0]
         rows, max_ctx = rtt.shape
+        self.launch_laid(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
+                         (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None
+                          else 0))
+
+    def launch_laid(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
+                    laid: tuple, addresses: list | None = None) -> None:
+        """``launch`` with the batch's sizes read already: ``laid`` is (n, bs, rows, max_ctx,
+        rtt.stride(0), len(lut) or 0); ``addresses``: the eleven tensors' ``data_ptr()`` in
+        launch order (``tensors``), where the caller read them."""
+        n, bs = laid[0], laid[1]
         split = self.split
         if split is None:
-            split = verify_split(bs, max_ctx, self.block_v) if self.cuda else 1
+            split = verify_split(bs, laid[3], self.block_v) if self.cuda else 1
         n_verify = bs * split
         grid = 1 + n_verify + (cdiv(n, self.block_t) if self.writers else 0)
         truth_t = truth if truth is not None else rtt
-        launch(_check_kernel, (grid,), (
-            rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed, truth_t,
-            truth_lens if truth_lens is not None else prefix_lens, ids, pos, loc,
-            held if held is not None else self.sync,
-            n, bs, rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None else 0, truth_t.stride(0),
-            truth_t.shape[1], tag, split, n_verify, grid, held.shape[0] if held is not None else 0),
-            self._constexprs(lut is not None, truth is not None), num_warps=self.num_warps, fixed=self.fixed)
+        launch_typed(_check_kernel, (grid,), self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth,
+                                                          truth_lens, lut, held),
+                     (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
+                      held.shape[0] if held is not None else 0),
+                     (lut is not None, truth is not None, held is not None),
+                     self._constexprs(lut is not None, truth is not None), num_warps=self.num_warps, fixed=self.fixed,
+                     addresses=addresses)
+
+    def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held) -> tuple:
+        """The kernel's eleven per-launch tensors, in its order (an absent one's place taken by a
+        tensor of the same dtype the kernel does not read)."""
+        return (rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed,
+                truth if truth is not None else rtt, truth_lens if truth_lens is not None else prefix_lens,
+                ids, pos, loc, held if held is not None else self.sync)
 
     def _constexprs(self, has_lut: bool, has_truth: bool) -> dict:
         c = self._variants.get((has_lut, has_truth))
         if c is None:
             c = self._variants[has_lut, has_truth] = {**self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth}
         return c
+
+
+class BatchMemo:
+    """The device batch the bound checks sharing this memo (one canary's) last found laid out as
+    their kernel reads it (``BoundCheck._layout_ok``): the same tensor objects, at the same
+    addresses, pass again with the sizes read then, without their dtypes, shapes and strides read
+    again (a forward's HEAD and TAIL get the same batch). An in-place change of a tensor's storage
+    moves its address; one that keeps the address keeps the memory the sizes were checked
+    against. Holds the tensors, so their memory cannot go to a new tensor while remembered."""
+
+    __slots__ = ("batch", "lut", "index", "addresses", "sizes")
+
+    # the batch's places in ``_CheckLaunch.tensors``: rpi, prefix_lens, extend_lens, req_to_token,
+    # then lut (when there is one), then input_ids, positions, out_cache_loc
+    _TABLE, _LUT, _TOKENS = slice(0, 4), 4, slice(7, 10)
+
+    def __init__(self):
+        self.batch: tuple | None = None
+        self.lut = self.index = self.addresses = self.sizes = None
+
+    def holds(self, batch: tuple, lut, index: int) -> bool:
+        """Whether ``batch`` (and ``lut``) are the tensor objects remembered, for the same device."""
+        last = self.batch
+        return last is not None and lut is self.lut and index == self.index and all(map(operator.is_, batch, last))
+
+    def laid(self, addresses: list, lut) -> tuple | None:
+        """The remembered sizes (n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0) where the
+        held batch's tensors are at the addresses remembered (``addresses``: its
+        ``_CheckLaunch.tensors`` addresses now); else None."""
+        if (addresses[self._TABLE] != self.addresses[0] or addresses[self._TOKENS] != self.addresses[1]
+                or (lut is not None and addresses[self._LUT] != self.addresses[2])):
+            return None
+        return self.sizes
+
+    def remember(self, batch: tuple, lut, addresses: list, index: int) -> tuple:
+        """Remember ``batch`` (laid out as the kernel reads it); returns its sizes."""
+        rpi, _, _, rtt, ids, _, _ = batch
+        rows, max_ctx = rtt.shape
+        self.sizes = (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None else 0)
+        self.batch, self.lut, self.index = batch, lut, index
+        self.addresses = (addresses[self._TABLE], addresses[self._TOKENS], addresses[self._LUT])
+        return self.sizes
+
+
+_ADDRESS = torch.Tensor.data_ptr
 
 
 class BoundCheck:
@@ -577,7 +640,7 @@ class BoundCheck:
     def __init__(self, state: DeviceState, *, stamp: bool, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
                  meta: torch.Tensor | None = None, window: int = 0, marks: WriteMarks | None = None,
                  truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None,
-                 split: int | None = None, max_spins: int | None = None):
+                 split: int | None = None, max_spins: int | None = None, memo: BatchMemo | None = None):
         check_state(state)
         if not isinstance(mode, FingerprintMode):
             raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
@@ -611,6 +674,7 @@ class BoundCheck:
         self.index = device.index if device.type == "cuda" else -1  # Tensor.get_device() of the state's tensors
         self._tags: set[int] = set()
         self._launch = _CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins)
+        self.memo = memo if memo is not None else BatchMemo()
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  req_to_token: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -629,15 +693,33 @@ class BoundCheck:
         truth_t = self.truth if truth else None
         truth_lens = self.truth_lens if truth else None
         batch = (req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions, out_cache_loc)
-        if not self._layout_ok(batch, lut, truth):
-            return False
-        if self.index < 0 and not self._host_ok(batch, truth_t, truth_lens, lut):  # check_forward's value checks
-            return False
         if held is not None and (not self.stamp or not isinstance(held, torch.Tensor)
                                  or not vector_ok(held, held.shape[0], self.index)):
             return False
+        if self.index < 0:  # a host batch: check_forward's value checks
+            if not self._layout_ok(batch, lut, truth) or not self._host_ok(batch, truth_t, truth_lens, lut):
+                return False
+            laid, addresses = None, None
+        else:
+            memo, addresses = self.memo, None
+            if memo.holds(batch, lut, self.index):
+                addresses = list(map(_ADDRESS, self._launch.tensors(*batch, truth_t, truth_lens, lut, held)))
+                laid = memo.laid(addresses, lut)
+            else:
+                laid = None
+            if laid is None:
+                if not self._layout_ok(batch, lut, truth):
+                    return False
+                if addresses is None:
+                    addresses = list(map(_ADDRESS, self._launch.tensors(*batch, truth_t, truth_lens, lut, held)))
+                laid = memo.remember(batch, lut, addresses, self.index)
+            elif laid[1] > self.max_bs or laid[0] > self.max_tokens or (truth and self.truth.shape[0] != laid[2]):
+                return False
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
-        self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag)
+        if laid is None:
+            self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag)
+        else:
+            self._launch.launch_laid(*batch, truth_t, truth_lens, lut, held, tag, laid, addresses)
         return True
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:

@@ -18,6 +18,11 @@ A kernel launched many times with the same leading arguments (a bound check's st
 keys them once: ``launch(..., fixed=Fixed(fn, leading))`` keys only the arguments that follow,
 after one address read per fixed tensor (one that moved is keyed again).
 
+A caller that checked its tensors' dtypes itself goes further with ``launch_typed``: it names a
+``variant`` that fixes the dtypes and constexprs, and while every int fits int32, the kept kernel
+is found by (device, warps, variant, each address modulo 16) without reading a dtype or building
+the key.
+
 The first launch of a key goes through Triton (compiling when it must) and the compiled kernel
 it returns is kept; later launches call that kernel's launcher directly, tensors passed as their
 addresses (the ops validated their devices). Triton's own launch serves instead under the
@@ -51,6 +56,17 @@ class _Kernel:
         # the fast path passes positional arguments then constexprs in signature order
         self.usable = all(p.is_constexpr for p in params[first:])
         self.compiled: dict = {}
+        self.typed: dict = {}  # ``launch_typed`` without fixed arguments: (device, warps, variant) -> _Typed
+
+
+class _Typed:
+    """A kept kernel ``launch_typed`` relaunches for one (device, warps, variant): the fixed
+    arguments' key and values it was kept with, and the constexprs' values."""
+
+    __slots__ = ("kernel", "fixed_key", "head", "tail")
+
+    def __init__(self, kernel, fixed_key, head: list, tail: tuple):
+        self.kernel, self.fixed_key, self.head, self.tail = kernel, fixed_key, head, tail
 
 
 _kernels: dict[int, _Kernel] = {}
@@ -87,23 +103,27 @@ class Fixed:
     keyed once: tensors (kept alive here; each launch compares their addresses, one read each,
     and keys them again where one moved) and ints that never change."""
 
-    __slots__ = ("args", "key", "values", "tensors", "addresses")
+    __slots__ = ("args", "key", "values", "tensors", "addresses", "typed")
 
     def __init__(self, fn, args: tuple):
         self.args = tuple(args)
         self.tensors = tuple(a for a in self.args if isinstance(a, torch.Tensor))
         self.key, self.values, self.addresses = None, [], []  # no key: Triton's own launch (no fast path
+        self.typed: dict = {}  # ``launch_typed`` with these arguments: (device, warps, variant) -> _Typed
         if _driver() is not None:  # here, or an argument of a type it does not take)
             self.rekey(_kernel(fn))
 
     def rekey(self, k: _Kernel) -> None:
         self.key, self.values = _key(k, self.args)
-        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.addresses = list(map(_ADDRESS, self.tensors))
 
     def moved(self) -> bool:
         """Whether a tensor's storage moved since it was keyed (an in-place resize): the launch keys
         the arguments again rather than pass a stale address."""
-        return [t.data_ptr() for t in self.tensors] != self.addresses
+        return list(map(_ADDRESS, self.tensors)) != self.addresses
+
+
+_ADDRESS = torch.Tensor.data_ptr
 
 
 def _kernel(fn) -> _Kernel:
@@ -113,14 +133,15 @@ def _kernel(fn) -> _Kernel:
     return k
 
 
-def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, fixed: Fixed | None = None) -> None:
+def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, fixed: Fixed | None = None):
     """``fn[grid](*args, **constexprs, num_warps=num_warps)``, through the kept compiled kernel
     when one matches (module doc). ``constexprs`` must name every constexpr of ``fn``. With
-    ``fixed`` (a ``Fixed``), ``args`` are the arguments after its own."""
+    ``fixed`` (a ``Fixed``), ``args`` are the arguments after its own. Returns the kept kernel
+    that launched (or was kept by this launch), None where Triton's own launch served."""
     drv = _driver()
     if drv is None:
         fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
-        return
+        return None
     k = _kernel(fn)
     get_device, get_stream, runtime = drv
     key, values = None, None
@@ -135,7 +156,7 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, f
             key, values = fixed.key + key, fixed.values + values
     if key is None:  # Triton's own launch (module doc)
         fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
-        return
+        return None
     device = get_device()
     key = (device, num_warps, tuple(constexprs[name] for name in k.constexprs), *key)
     kernel = k.compiled.get(key)
@@ -143,10 +164,53 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, f
         kernel = fn[grid](*(fixed.args + args if fixed is not None else args), **constexprs, num_warps=num_warps)
         if kernel is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "run"):
             k.compiled[key] = kernel
-        return
+            return kernel
+        return None
     g = (*grid, 1, 1)
     kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                *values, *key[2])
+    return kernel
+
+
+def launch_typed(fn, grid: tuple, tensors: tuple, ints: tuple, variant, constexprs: dict, num_warps: int = 4,
+                 fixed: Fixed | None = None, addresses: list | None = None) -> None:
+    """``launch(fn, grid, tensors + ints, constexprs, num_warps, fixed)`` for a caller that checked
+    every tensor's dtype: ``variant`` (hashable) stands for the tensors' dtypes and the
+    ``constexprs``, the same every time it is passed with the same ``fn`` and ``fixed``; ``ints``
+    are Python ints (not bools) of parameters Triton does not specialise. While every int fits
+    int32 and no hook is installed, the kept kernel of (current device, ``num_warps``,
+    ``variant``, each tensor address modulo 16) launches at once; otherwise, or the first time,
+    ``launch`` keys the arguments (and keeps the kernel it launched for them).
+    ``addresses``: the tensors' ``data_ptr()``, where the caller read them already."""
+    drv = _driver()
+    if drv is None:
+        launch(fn, grid, tensors + ints, constexprs, num_warps, fixed)
+        return
+    get_device, get_stream, runtime = drv
+    device = get_device()
+    if addresses is None:
+        addresses = list(map(_ADDRESS, tensors))
+    cache = fixed.typed if fixed is not None else _kernel(fn).typed
+    key = (device, num_warps, variant, tuple(map(_RESIDUE, addresses)))
+    typed = cache.get(key)
+    small = not ints or (max(ints) <= _I32[1] and min(ints) >= _I32[0])
+    if (typed is not None and small and (fixed is None or (typed.fixed_key is fixed.key and not fixed.moved()))
+            and not getattr(fn, "pre_run_hooks", None) and not _hooked(runtime)):
+        g = (*grid, 1, 1)
+        kernel = typed.kernel
+        kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                   *typed.head, *addresses, *ints, *typed.tail)
+        return
+    kernel = launch(fn, grid, tensors + ints, constexprs, num_warps, fixed)
+    if kernel is not None and small and all(type(i) is int for i in ints):
+        k = _kernel(fn)
+        if not k.specialised.intersection(range(k.num_args - len(ints), k.num_args)):
+            cache[key] = _Typed(kernel, fixed.key if fixed is not None else None,
+                                fixed.values if fixed is not None else [],
+                                tuple(constexprs[name] for name in k.constexprs))
+
+
+_RESIDUE = (15).__and__  # an address modulo 16 (what Triton's alignment specialisation reads)
 
 
 def _key(k: _Kernel, args: tuple, first: int = 0) -> tuple[tuple | None, list]:

@@ -42,7 +42,7 @@ from kvcanary.ops._common import (
     use_triton,
 )
 from kvcanary.ops._cpu import use_numba
-from kvcanary.ops.launcher import launch
+from kvcanary.ops.launcher import launch_typed
 
 ERR_OFFSETS = 1
 ERR_ROWS = 2
@@ -207,6 +207,9 @@ def _scatter_grid(n: int, bs: int) -> tuple[int, int, int, int]:
     return bs + 1, split, block, 4
 
 
+_SCATTER_CONSTEXPRS: dict[tuple, dict] = {}  # (BLOCK, HAS_LENS, HAS_STARTS) -> the launch's constexprs
+
+
 def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
                           pool_out: torch.Tensor, error_flag: torch.Tensor | None = None,
                           lens_out: torch.Tensor | None = None, starts: torch.Tensor | None = None,
@@ -254,9 +257,16 @@ def scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, 
         programs, split, block, warps = _scatter_grid(n, bs)
         if variant is not None:
             block, warps = variant
-        launch(_scatter_kernel, (programs, split), (
-            flat_in, offsets, req_pool_indices, pool_out, error_flag, error_flag if lens_out is None else lens_out,
-            offsets if starts is None else starts, n, bs, pool_out.shape[0], pool_out.shape[1], pool_out.stride(0)),
-            dict(BLOCK=block, HAS_LENS=lens_out is not None, HAS_STARTS=starts is not None), num_warps=warps)
+        has_lens, has_starts = lens_out is not None, starts is not None
+        constexprs = _SCATTER_CONSTEXPRS.get((block, has_lens, has_starts))
+        if constexprs is None:
+            constexprs = _SCATTER_CONSTEXPRS[block, has_lens, has_starts] = dict(BLOCK=block, HAS_LENS=has_lens,
+                                                                                 HAS_STARTS=has_starts)
+        rows, width = pool_out.shape
+        # checked dtypes: the variant (BLOCK, HAS_LENS, HAS_STARTS) fixes them and the constexprs
+        launch_typed(_scatter_kernel, (programs, split), (
+            flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out if has_lens else error_flag,
+            starts if has_starts else offsets), (n, bs, rows, width, pool_out.stride(0)),
+            (block, has_lens, has_starts), constexprs, num_warps=warps)
     else:
         _scatter_torch(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, starts)

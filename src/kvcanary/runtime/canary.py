@@ -43,7 +43,7 @@ from kvcanary.core.record import (
 )
 from kvcanary.errors import CanaryViolation, ConfigError, DeviceError, KVCanaryError
 from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable
-from kvcanary.ops.check import BoundCheck, check_forward
+from kvcanary.ops.check import BatchMemo, BoundCheck, check_forward
 from kvcanary.ops.conflicts import WriteMarks, check_writes
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
@@ -273,10 +273,12 @@ class Canary:
         targets in the sources), "tail", and with a side stream "side_head" (HEAD on the side
         stream marks no source: ``mark_writes`` does, on the model's stream); None where one refuses
         the canary's own arguments (every call then takes ``check_forward``, which raises the error)."""
+        memo = BatchMemo()  # a forward's TAIL finds its batch laid out as its HEAD found it
+
         def bind(stamp: bool, sources) -> BoundCheck:
             return BoundCheck(self.state, stamp=stamp, sources=sources, mode=self.config.real_kv, meta=self.meta,
                               window=self.window, marks=self.marks if stamp else None, truth=self.truth,
-                              truth_lens=self.truth_lens)
+                              truth_lens=self.truth_lens, memo=memo)
 
         try:
             bound = {"tail": bind(False, self.sources)}
@@ -444,7 +446,7 @@ class Canary:
             self.join()  # the last TAIL read the table
             self._append_truth(b)
         if self._on_side():
-            self._launch_head_overlapped(b, tag, truth, truth_lens)
+            self._launch_head_overlapped(b, tag, truth)
             self.totals.seconds += time.perf_counter() - t0
             return
         if self.fused:
@@ -480,7 +482,7 @@ class Canary:
         mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
-    def _launch_head_overlapped(self, b: ForwardBatch, tag: int, truth, truth_lens) -> None:
+    def _launch_head_overlapped(self, b: ForwardBatch, tag: int, truth) -> None:
         """HEAD with ``overlap``: the write marks on the current stream, ahead of the forward's
         writes; the rest of HEAD (it reads no K/V, the forward reads no record) on the side stream."""
         self.join()  # the last TAIL is done: a reused write target never shows it this step's mark
@@ -491,8 +493,8 @@ class Canary:
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                              truth_lens=truth_lens, lut=lut, window=self.window, marks=self.marks, held=held,
-                              backend=self.backend)
+                              truth_lens=self.truth_lens[:b.batch_size] if truth is not None else None, lut=lut,
+                              window=self.window, marks=self.marks, held=held, backend=self.backend)
         self._side_held, self.held = held, None
         if self.sources and not (self._bound_marks is not None and self._bound_marks(b.out_cache_loc, lut)):
             # inputs checked above; on the current stream, ahead of the forward's writes
