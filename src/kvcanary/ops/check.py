@@ -535,29 +535,28 @@ class _CheckLaunch:
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag) -> None:
         rows, max_ctx = rtt.shape
-        self.launch_laid(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
+        self.launch_laid(self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held),
+                         lut is not None, truth is not None, held, tag,
                          (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None
                           else 0))
 
-    def launch_laid(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
-                    laid: tuple, addresses: list | None = None) -> None:
-        """``launch`` with the batch's sizes read already: ``laid`` is (n, bs, rows, max_ctx,
-        rtt.stride(0), len(lut) or 0); ``addresses``: the eleven tensors' ``data_ptr()`` in
-        launch order (``tensors``), where the caller read them."""
+    def launch_laid(self, tensors: tuple, has_lut: bool, has_truth: bool, held, tag: int, laid: tuple,
+                    addresses: list | None = None) -> None:
+        """``launch`` of ``tensors`` (``tensors()``) with the batch's sizes read already: ``laid`` is
+        (n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0); ``addresses``: the tensors'
+        ``data_ptr()``, where the caller read them."""
         n, bs = laid[0], laid[1]
         split = self.split
         if split is None:
             split = verify_split(bs, laid[3], self.block_v) if self.cuda else 1
         n_verify = bs * split
         grid = 1 + n_verify + (cdiv(n, self.block_t) if self.writers else 0)
-        truth_t = truth if truth is not None else rtt
-        launch_typed(_check_kernel, (grid,), self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth,
-                                                          truth_lens, lut, held),
+        truth_t = tensors[5]  # the truth table, or the page table in its place
+        launch_typed(_check_kernel, (grid,), tensors,
                      (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
                       held.shape[0] if held is not None else 0),
-                     (lut is not None, truth is not None, held is not None),
-                     self._constexprs(lut is not None, truth is not None), num_warps=self.num_warps, fixed=self.fixed,
-                     addresses=addresses)
+                     (has_lut, has_truth, held is not None), self._constexprs(has_lut, has_truth),
+                     num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
 
     def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held) -> tuple:
         """The kernel's eleven per-launch tensors, in its order (an absent one's place taken by a
@@ -605,14 +604,10 @@ class BatchMemo:
             return None
         return self.sizes
 
-    def remember(self, batch: tuple, lut, addresses: list, index: int) -> tuple:
-        """Remember ``batch`` (laid out as the kernel reads it); returns its sizes."""
-        rpi, _, _, rtt, ids, _, _ = batch
-        rows, max_ctx = rtt.shape
-        self.sizes = (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None else 0)
-        self.batch, self.lut, self.index = batch, lut, index
+    def remember(self, batch: tuple, lut, addresses: list, index: int, sizes: tuple) -> None:
+        """Remember ``batch``, laid out as the kernel reads it, and its ``sizes``."""
+        self.batch, self.lut, self.index, self.sizes = batch, lut, index, sizes
         self.addresses = (addresses[self._TABLE], addresses[self._TOKENS], addresses[self._LUT])
-        return self.sizes
 
 
 _ADDRESS = torch.Tensor.data_ptr
@@ -701,48 +696,59 @@ class BoundCheck:
                 return False
             laid, addresses = None, None
         else:
-            memo, addresses = self.memo, None
+            memo, tensors = self.memo, None
             if memo.holds(batch, lut, self.index):
-                addresses = list(map(_ADDRESS, self._launch.tensors(*batch, truth_t, truth_lens, lut, held)))
+                tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held)
+                addresses = list(map(_ADDRESS, tensors))
                 laid = memo.laid(addresses, lut)
             else:
                 laid = None
             if laid is None:
-                if not self._layout_ok(batch, lut, truth):
+                laid = self._sizes(batch, lut, truth)
+                if laid is None:
                     return False
-                if addresses is None:
-                    addresses = list(map(_ADDRESS, self._launch.tensors(*batch, truth_t, truth_lens, lut, held)))
-                laid = memo.remember(batch, lut, addresses, self.index)
+                if tensors is None:
+                    tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held)
+                    addresses = list(map(_ADDRESS, tensors))
+                memo.remember(batch, lut, addresses, self.index, laid)
             elif laid[1] > self.max_bs or laid[0] > self.max_tokens or (truth and self.truth.shape[0] != laid[2]):
                 return False
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
         if laid is None:
             self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag)
         else:
-            self._launch.launch_laid(*batch, truth_t, truth_lens, lut, held, tag, laid, addresses)
+            self._launch.launch_laid(tensors, lut is not None, truth, held, tag, laid, addresses)
         return True
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:
+        return self._sizes(batch, lut, truth) is not None
+
+    def _sizes(self, batch: tuple, lut, truth: bool = False) -> tuple | None:
+        """(n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0) of a batch laid out as the kernel
+        reads it (dtypes, ranks, lengths, device, contiguity, table layout, its fit in the
+        workspace and the truth table); None for one it does not take."""
         rpi, prefix_lens, extend_lens, rtt, ids, pos, loc = batch
         index = self.index
         if not isinstance(rpi, torch.Tensor) or not isinstance(ids, torch.Tensor) or rpi.dim() != 1 or ids.dim() != 1:
-            return False
+            return None
         bs, n = rpi.shape[0], ids.shape[0]
         if bs > self.max_bs or n > self.max_tokens:
-            return False
+            return None
         for t, length in ((rpi, bs), (prefix_lens, bs), (extend_lens, bs), (ids, n), (pos, n), (loc, n)):
             if not vector_ok(t, length, index):
-                return False
+                return None
         if lut is not None and not (isinstance(lut, torch.Tensor) and vector_ok(lut, lut.shape[0], index)
                                     and lut.shape[0] >= 1):
-            return False
+            return None
         if (not isinstance(rtt, torch.Tensor) or rtt.dtype is not torch.int32 or rtt.dim() != 2
                 or rtt.get_device() != index):
-            return False
+            return None
         rows, width = rtt.shape
         if rows < 1 or width < 1 or (width > 1 and rtt.stride(1) != 1) or (rows > 1 and rtt.stride(0) < width):
-            return False
-        return not truth or self.truth.shape[0] == rows
+            return None
+        if truth and self.truth.shape[0] != rows:
+            return None
+        return n, bs, rows, width, rtt.stride(0), lut.shape[0] if lut is not None else 0
 
     def _host_ok(self, batch: tuple, truth, truth_lens, lut) -> bool:
         checked = (*batch[:7], truth, truth_lens[: batch[0].shape[0]] if truth_lens is not None else None, lut)
