@@ -146,23 +146,37 @@ def test_fixed_leading_arguments_key_and_launch_as_the_whole_list():
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def test_a_fixed_tensor_resized_in_place_is_launched_at_its_new_address():
-    gen = torch.Generator().manual_seed(7)
-    flat = torch.randint(-1000, 1000, (8,), generator=gen).cuda()
+def _two_requests(seed: int) -> tuple:
+    """(flat, offsets, rows, pool, err): 8 random tokens for rows 1 and 2 (3 and 5 of them) of a
+    3 x 8 pool filled with -5, and a zeroed error flag."""
+    flat = torch.randint(-1000, 1000, (8,), generator=torch.Generator().manual_seed(seed)).cuda()
     offsets, rows = torch.tensor([0, 3, 8], device="cuda"), torch.tensor([1, 2], device="cuda")
-    pool = torch.full((3, 8), -5, dtype=torch.int32, device="cuda")
-    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    return (flat, offsets, rows, torch.full((3, 8), -5, dtype=torch.int32, device="cuda"),
+            torch.zeros(1, dtype=torch.int32, device="cuda"))
+
+
+def _grow_in_place(pool: torch.Tensor) -> None:
+    """Resize ``pool`` to 2**20 rows in place (a new allocation: the old address is freed), -5 again."""
+    before = pool.data_ptr()
+    pool.resize_(1 << 20, 8).fill_(-5)
+    assert pool.data_ptr() != before
+
+
+def _assert_two_requests_landed(flat: torch.Tensor, pool: torch.Tensor, err: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
+    assert int(err[0]) == 0 and int((pool != -5).sum()) == 8
+
+
+def test_a_fixed_tensor_resized_in_place_is_launched_at_its_new_address():
+    flat, offsets, rows, pool, err = _two_requests(7)
     fixed = launcher.Fixed(_scatter_kernel, (flat, offsets, rows, pool, err, err, offsets))
     constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)  # grid: the check's program, 2 requests
     launcher.launch(_scatter_kernel, (3, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)
     launcher.launch(_scatter_kernel, (3, 1), (8, 2, 3, 8, 8), constexprs, fixed=fixed)  # the kept kernel
-    before = pool.data_ptr()
-    pool.resize_(1 << 20, 8).fill_(-5)  # a new allocation: the old address is freed
-    assert pool.data_ptr() != before
+    _grow_in_place(pool)
     launcher.launch(_scatter_kernel, (3, 1), (8, 2, 1 << 20, 8, 8), constexprs, fixed=fixed)
-    torch.cuda.synchronize()
-    assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
-    assert int(err[0]) == 0 and int((pool != -5).sum()) == 8
+    _assert_two_requests_landed(flat, pool, err)
 
 
 def _typed_scatter(shift: int, big: bool, seed: int):
@@ -211,23 +225,15 @@ def test_a_typed_launch_relaunches_its_variants_kernel_and_computes_as_tritons_l
 
 
 def test_a_typed_launch_with_a_moved_fixed_tensor_keys_it_again():
-    gen = torch.Generator().manual_seed(8)
-    flat = torch.randint(-1000, 1000, (8,), generator=gen).cuda()
-    offsets, rows = torch.tensor([0, 3, 8], device="cuda"), torch.tensor([1, 2], device="cuda")
-    pool = torch.full((3, 8), -5, dtype=torch.int32, device="cuda")
-    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    flat, offsets, rows, pool, err = _two_requests(8)
     fixed = launcher.Fixed(_scatter_kernel, (flat, offsets, rows, pool))
     constexprs = dict(BLOCK=128, HAS_LENS=False, HAS_STARTS=False)
     for _ in range(2):
         launcher.launch_typed(_scatter_kernel, (3, 1), (err, err, offsets), (8, 2, 3, 8, 8), "v", constexprs,
                               fixed=fixed)
     (kept,) = fixed.typed.values()  # one (device, warps, variant, address residues)
-    before = pool.data_ptr()
-    pool.resize_(1 << 20, 8).fill_(-5)  # a new allocation: the old address is freed
-    assert pool.data_ptr() != before
+    _grow_in_place(pool)
     launcher.launch_typed(_scatter_kernel, (3, 1), (err, err, offsets), (8, 2, 1 << 20, 8, 8), "v", constexprs,
                           fixed=fixed)
-    torch.cuda.synchronize()
-    assert pool[1, :3].tolist() == flat[:3].tolist() and pool[2, :5].tolist() == flat[3:].tolist()
-    assert int(err[0]) == 0 and int((pool != -5).sum()) == 8
+    _assert_two_requests_landed(flat, pool, err)
     assert len(fixed.typed) == 1 and next(iter(fixed.typed.values())) is not kept  # kept again, new address

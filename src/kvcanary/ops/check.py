@@ -574,7 +574,7 @@ class _CheckLaunch:
 
 class BatchMemo:
     """The device batch the bound checks sharing this memo (one canary's) last found laid out as
-    their kernel reads it (``BoundCheck._layout_ok``): the same tensor objects, at the same
+    their kernel reads it (``BoundCheck._sizes``): the same tensor objects, at the same
     addresses, pass again with the sizes read then, without their dtypes, shapes and strides read
     again (a forward's HEAD and TAIL get the same batch). An in-place change of a tensor's storage
     moves its address; one that keeps the address keeps the memory the sizes were checked

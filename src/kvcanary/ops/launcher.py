@@ -56,12 +56,12 @@ class _Kernel:
         # the fast path passes positional arguments then constexprs in signature order
         self.usable = all(p.is_constexpr for p in params[first:])
         self.compiled: dict = {}
-        self.typed: dict = {}  # ``launch_typed`` without fixed arguments: (device, warps, variant) -> _Typed
+        self.typed: dict = {}  # ``launch_typed`` without fixed arguments: its key -> _Typed
 
 
 class _Typed:
-    """A kept kernel ``launch_typed`` relaunches for one (device, warps, variant): the fixed
-    arguments' key and values it was kept with, and the constexprs' values."""
+    """A kept kernel ``launch_typed`` relaunches for one (device, warps, variant, address
+    residues): the fixed arguments' key and values it was kept with, and the constexprs' values."""
 
     __slots__ = ("kernel", "fixed_key", "head", "tail")
 
@@ -109,7 +109,7 @@ class Fixed:
         self.args = tuple(args)
         self.tensors = tuple(a for a in self.args if isinstance(a, torch.Tensor))
         self.key, self.values, self.addresses = None, [], []  # no key: Triton's own launch (no fast path
-        self.typed: dict = {}  # ``launch_typed`` with these arguments: (device, warps, variant) -> _Typed
+        self.typed: dict = {}  # ``launch_typed`` with these arguments: its key -> _Typed
         if _driver() is not None:  # here, or an argument of a type it does not take)
             self.rekey(_kernel(fn))
 
