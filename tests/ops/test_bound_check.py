@@ -162,6 +162,8 @@ def test_bound_arguments_are_checked_when_bound():
         BoundCheck(state, stamp=True, truth=on_device(w["truth"], DEV))
     with pytest.raises(InputError, match="split 0 out of range"):
         BoundCheck(state, stamp=True, split=0)
+    with pytest.raises(InputTypeError, match="memo must be a BatchMemo or None, got dict"):
+        BoundCheck(state, stamp=True, memo={})
     bare = DeviceState(*(on_device(w[k], DEV) for k in ("canary", "ring", "ring_counter", "stats")))
     with pytest.raises(InputError, match="BoundCheck needs a state with workspaces"):
         BoundCheck(bare, stamp=True)

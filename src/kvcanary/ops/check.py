@@ -663,6 +663,8 @@ class BoundCheck:
                 raise InputError(f"truth_lens length {truth_lens.shape[0]} < the workspace's max_bs "
                                  f"({workspace.max_bs}); one length per request of the largest batch")
         _check_split(split, max_spins)
+        if memo is not None and not isinstance(memo, BatchMemo):
+            raise InputTypeError(f"memo must be a BatchMemo or None, got {type(memo).__name__}")
         self.state, self.stamp, self.window = state, stamp, window
         self.truth, self.truth_lens = truth, truth_lens
         self.max_bs, self.max_tokens = workspace.max_bs, workspace.max_tokens
