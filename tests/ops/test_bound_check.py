@@ -16,11 +16,12 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.check import BoundCheck, check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta
-from kvcanary.ops.state import DeviceState, Workspace
+from kvcanary.ops.state import COUNTER_BLOCK_WORDS, DeviceState, Workspace
 
 from ._compare import assert_same, sorted_rows
-from ._helpers import SEEDS, device_for, on_device
+from ._helpers import INT64_MAX, INT64_MIN, SEEDS, device_for, on_device
 from .test_check import MODES, make_world
+from .test_publish import reference as publish_reference
 
 DEV = device_for(Backend.TRITON)
 BATCH = ("req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc")
@@ -80,6 +81,99 @@ def test_bound_launch_gives_check_forwards_bytes(seed, lens, mode, with_truth, c
         got[bound] = outputs(state, sources)
     for name, want in got[False].items():
         assert_same(f"{name} (bound)", got[True][name], want)
+
+
+def block_state_of(w: dict, max_bs: int, max_tokens: int, gen: torch.Generator) -> DeviceState:
+    """``state_of``, its ring counter, stats and error words in one counter block (as
+    ``DeviceState.allocate`` lays them out), the error flags drawn at random."""
+    state = DeviceState.allocate(w["canary"].shape[0], ring_capacity=w["ring"].shape[0], max_bs=max_bs,
+                                 max_tokens=max_tokens, device=DEV)
+    for name, key in (("records", "canary"), ("ring", "ring"), ("ring_counter", "ring_counter"), ("stats", "stats"),
+                      ("source_tags", "source_tags")):
+        getattr(state, name).copy_(w[key])
+    state.error.fill_(int(torch.randint(0, 8, (1,), generator=gen)))
+    return state
+
+
+def publication_of(gen: torch.Generator, num_rows: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq, rows) for a counter block: the sequence word at ``start``, rows of random words."""
+    rows = torch.randint(INT64_MIN, INT64_MAX, (num_rows, COUNTER_BLOCK_WORDS + 1), generator=gen)
+    return (torch.tensor([start], dtype=torch.int64, device=DEV),
+            rows.pin_memory() if DEV.type == "cuda" else rows)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=4),
+       mode=st.sampled_from(MODES), with_truth=st.booleans(), corrupt=st.sampled_from([0.0, 0.2]),
+       stamp=st.booleans(), num_rows=st.integers(1, 5), start=st.integers(0, 2**40), publish=st.booleans())
+def test_a_publishing_launch_gives_check_forwards_bytes_then_publishes_the_block(seed, lens, mode, with_truth,
+                                                                                 corrupt, stamp, num_rows, start,
+                                                                                 publish):
+    """The launch with ``publish`` leaves what ``check_forward`` (torch path) leaves, and the
+    publication's rows and sequence word are those of ``publish_counters`` on the block after it
+    (pure-Python reference); without ``publish`` they are untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=with_truth,
+                   corrupt=corrupt, lut=False, window=0, stamp=stamp, tag=3)
+    bs, n = w["req_pool_indices"].shape[0], w["input_ids"].shape[0]
+    got, blocks = {}, {}
+    for bound in (False, True):
+        g = torch.Generator().manual_seed(seed + 1)  # the same error flags and rows for both
+        state = block_state_of(w, bs + 1, n + 1, g)
+        seq, rows = publication_of(g, num_rows, start)
+        sources = on_device(w["sources"], DEV)
+        batch = {k: on_device(w[k], DEV) for k in BATCH}
+        truth, held = on_device(w["truth"], DEV), on_device(w["held"], DEV) if stamp else None
+        if bound:
+            lens_t = torch.zeros(bs + 1, dtype=torch.int64, device=DEV)
+            if with_truth:
+                lens_t[:bs] = w["truth_lens"].to(DEV)
+            check = BoundCheck(state, stamp=stamp, sources=sources, mode=mode, truth=truth if with_truth else None,
+                               truth_lens=lens_t if with_truth else None, publication=(seq, rows))
+            assert check(*batch.values(), tag=3, truth=with_truth, held=held, publish=publish)
+            if DEV.type == "cuda":
+                torch.cuda.synchronize()
+            got_rows, got_seq = rows.tolist(), int(seq[0])
+        else:
+            check_forward(state=state, **batch, tag=3, stamp=stamp, truth=truth,
+                          truth_lens=on_device(w["truth_lens"], DEV), sources=sources, mode=mode, held=held,
+                          backend=Backend.TORCH)
+            blocks = [state.counter_block().tolist()] if publish else []
+            want_rows, want_seq = publish_reference(blocks, rows.tolist(), start)
+        got[bound] = outputs(state, sources)
+        got[bound]["error"] = state.error.clone()
+    for name, want in got[False].items():
+        assert_same(f"{name} (publishing launch)", got[True][name], want)
+    assert_same("publication rows", got_rows, want_rows)
+    assert got_seq == want_seq
+
+
+def test_publish_needs_a_publication_and_one_the_counter_block_fits():
+    w = world()
+    gen = torch.Generator().manual_seed(11)
+    state = block_state_of(w, 2, 8, gen)
+    batch = {k: on_device(w[k], DEV) for k in BATCH}
+    seq, rows = publication_of(gen, 3, 0)
+    with pytest.raises(InputError, match="publish=True but this BoundCheck has no publication"):
+        BoundCheck(state, stamp=False)(*batch.values(), tag=0, publish=True)
+    with pytest.raises(InputError, match="publish must be True or False, got 1"):
+        BoundCheck(state, stamp=False, publication=(seq, rows))(*batch.values(), tag=0, publish=1)
+    with pytest.raises(InputTypeError, match="publication must be a \\(seq, rows\\) tuple or None, got list"):
+        BoundCheck(state, stamp=False, publication=[seq, rows])
+    with pytest.raises(InputError, match=f"publication rows must be int64\\[K >= 1, {COUNTER_BLOCK_WORDS + 1}\\]"):
+        BoundCheck(state, stamp=False, publication=(seq, rows[:, :-1].contiguous()))
+    with pytest.raises(InputTypeError, match="publication seq dtype int32 != int64"):
+        BoundCheck(state, stamp=False, publication=(seq.to(torch.int32), rows))
+    with pytest.raises(InputError, match="publication seq length 2 != one sequence word"):
+        BoundCheck(state, stamp=False, publication=(torch.cat([seq, seq]), rows))
+    with pytest.raises(InputError, match="this state's lie apart"):
+        BoundCheck(state_of(w, 2, 8), stamp=False, publication=(seq, rows))
+    before = (int(seq[0]), rows.clone())
+    assert BoundCheck(state, stamp=False, publication=(seq, rows))(*batch.values(), tag=0)  # publish=False
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    assert int(seq[0]) == before[0]
+    assert_same("rows after a launch without publish", rows, before[1])
 
 
 def world() -> dict:

@@ -193,3 +193,66 @@ def test_replays_without_end_step_fall_back_once_and_miss_nothing():
     reports = _replay(canary, graph, batch, range(4, 7))
     assert canary.reporter.publication.fallbacks >= 1
     assert slot in {v.slot for r in reports for v in r.violations}
+
+
+def _count_publication_launches(canary: Canary, monkeypatch) -> list:
+    """The publication's own launches (``end_step``'s), counted from here on."""
+    launches, launch = [], canary.reporter.publication.launch
+    monkeypatch.setattr(canary.reporter.publication, "launch", lambda: (launches.append(1), launch())[1])
+    return launches
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_an_eager_tail_publishes_its_steps_counters_and_end_step_launches_none(monkeypatch, damaged):
+    gen = torch.Generator().manual_seed(12)
+    tokens = _tokens(gen)
+    canary = _canary("cuda")
+    launches = _count_publication_launches(canary, monkeypatch)
+    assert all(r.violations == [] for r in _run(canary, gen, tokens, range(4)))
+    slot = 2 * CTX + 1 + 1  # row 2, position 1
+    if damaged:
+        record_words(canary.state.records)[slot, CHAIN] ^= 1
+    now, late, after = _run(canary, gen, tokens, range(4, 7))
+    assert now.violations == []
+    if damaged:  # HEAD of step 4 and of every later step reads it
+        assert {v.step for v in late.violations} == {4}
+        assert {v.point.name for v in late.violations} == {"HEAD", "TAIL"}
+        assert slot in {v.slot for v in late.violations if v.point.name == "HEAD"}
+    else:
+        assert late.violations == [] and after.violations == []
+    assert launches == [] and canary.reporter.publication.fallbacks == 0
+    canary.flush(7)
+    torch.cuda.synchronize()
+    assert torch.equal(canary.reporter.latest_stats, canary.state.stats.cpu())
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_sweep_after_the_eager_tail_is_published_by_end_step_with_its_step(monkeypatch, damaged):
+    """A launch between TAIL and ``end_step`` makes TAIL's publication stale: ``end_step`` publishes
+    again, so the sweep's violation is read with its own step."""
+    from kvcanary.runtime.sweep import SweepRun
+
+    gen = torch.Generator().manual_seed(13)
+    tokens = _tokens(gen)
+    canary = _canary("cuda")
+    launches = _count_publication_launches(canary, monkeypatch)
+    _run(canary, gen, tokens, range(3))  # positions 0..2 of rows 1..3 stamped
+    with canary.forward(_batch("cuda", gen, tokens, 3, 1)):
+        pass
+    slot = 1 * CTX + 0 + 1  # row 1, position 0
+    if damaged:
+        record_words(canary.state.records)[slot, CHAIN] ^= 1
+    canary.sweep([SweepRun(torch.tensor([slot]), (int(tokens[1, 0]),), 0)])
+    assert launches == []
+    now = canary.end_step(3)
+    assert launches == [1]  # the sweep came after TAIL's publication
+    with canary.forward(_batch("cuda", gen, tokens, 4, 1)):
+        pass
+    late = canary.end_step(4)
+    assert now.violations == []
+    if damaged:
+        sweep = [v for v in late.violations if v.point.name == "SWEEP"]
+        assert sweep and {v.step for v in sweep} == {3} and {v.slot for v in sweep} == {slot}
+    else:
+        assert late.violations == []
+    assert launches == [1] and canary.reporter.publication.fallbacks == 0

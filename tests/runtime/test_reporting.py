@@ -117,3 +117,37 @@ def test_a_live_run_logs_parseable_lines_naming_the_damaged_request(caplog):
     assert first["tag"].startswith("HEAD") and int(first["step"]) == fault.injections[0].step
     assert victim in [p.split("@")[0] for p in first["requests"].split(",")]
     assert [int(g["slot"]) for g in parsed] == [v.slot for v in out.violations]
+
+
+class _CountingPublication:
+    """A publication that counts its own launches (the device's sequence word, kept on the host)."""
+
+    def __init__(self):
+        self.expected = self.seq = self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+        self.seq += 1
+
+
+@pytest.mark.parametrize("replays", [0, 2])
+@pytest.mark.parametrize("tails", [0, 1, 3])
+@pytest.mark.parametrize("current", [False, True])
+def test_a_snapshot_counts_every_publication_and_launches_one_only_where_none_is_current(replays, tails, current):
+    """Replays publish from their graphs, eager TAILs from their launches (``published``); the
+    snapshot launches one more unless a replay or a current TAIL's publication carries the step's
+    counters, and expects the device's sequence word exactly."""
+    from kvcanary.ops.state import DeviceState
+    from kvcanary.runtime.reporting import Reporter
+
+    state = DeviceState.allocate(8)
+    reporter = Reporter(state.ring, state.ring_counter, state.stats, error=state.error, block=state.counter_block())
+    pub = reporter.publication = _CountingPublication()
+    for step in range(3):
+        pub.seq += replays + tails  # what the graphs and the TAILs published on the device
+        for _ in range(tails):
+            reporter.published()
+        reporter.snapshot(StepMeta(step), replays, current)
+        launched = not replays and not (current and tails)
+        assert pub.launches == (step + 1) * launched
+        assert pub.expected == pub.seq

@@ -78,9 +78,10 @@ from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.landed import check_writes_landed, landed_lanes, mark_lanes, mark_writes
 from kvcanary.ops.launcher import Fixed, launch_typed
 from kvcanary.ops.plan import Plan, _translate, _translate_torch, build_plan, check_window, validate_batch
+from kvcanary.ops.publish import publish_row, validate_publication
 from kvcanary.ops.stamp import stamp as stamp_op
 from kvcanary.ops.stamp import stamp_lanes
-from kvcanary.ops.state import WRITE_BLOCK, DeviceState, Workspace, check_state
+from kvcanary.ops.state import COUNTER_BLOCK_WORDS, WRITE_BLOCK, DeviceState, Workspace, check_state
 from kvcanary.ops.verify import check_entries, verify
 
 RECORD_BLOCK = 128
@@ -381,13 +382,14 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
                                "max_spins", "n_held", "halves"])
 def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr, woff_ptr, seed_ptr, sum_ptr,
                   flag_ptr, marks_ptr, mepoch_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
-                  window, num_slots, ring_cap, max_spins,
+                  window, num_slots, ring_cap, max_spins, pub_seq_ptr, pub_rows_ptr, pub_num_rows,
                   rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr, pos_ptr, loc_ptr,
                   held_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride, truth_width, tag, split,
                   n_verify, grid, n_held, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
                   HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, VERIFY_SOURCES: tl.constexpr,
                   HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+                  BLOCK_T: tl.constexpr, PUBLISH: tl.constexpr, PUB_W: tl.constexpr, PUB_BLOCK: tl.constexpr,
+                  FENCE: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
@@ -439,6 +441,8 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
         tl.atomic_add(sync_ptr + 3, 1, sem="release")
         if STAMP:
             tl.atomic_add(mepoch_ptr, 1, sem="release")
+        if PUBLISH:  # every other program has counted: the block as of this launch's end
+            publish_row(counter_ptr, pub_seq_ptr, pub_rows_ptr, pub_num_rows, PUB_W, PUB_BLOCK, FENCE)
 
 
 def verify_split(bs: int, max_ctx: int, block: int) -> int:
@@ -507,8 +511,9 @@ class _CheckLaunch:
     batch, the tag and the held slots fixed at construction (``BoundCheck`` keeps one)."""
 
     def __init__(self, state: DeviceState, workspace: Workspace, stamp: bool, sources: list, mode: FingerprintMode,
-                 meta, marks, window: int, split: int | None, max_spins: int | None):
+                 meta, marks, window: int, split: int | None, max_spins: int | None, publication: tuple | None = None):
         ws = workspace
+        self.publication = publication  # (seq, rows), validated: a launch may publish the counter block
         fp_sources = [] if stamp else sources  # HEAD verifies no fingerprint; it marks the write targets
         # TAIL without fingerprints: 256 a verify program (16-20 % faster than 512 at large decode shapes)
         self.block_v = {FingerprintMode.NONE: 1024, FingerprintMode.PARTIAL: 256, FingerprintMode.ALL: 32}[mode] \
@@ -525,26 +530,32 @@ class _CheckLaunch:
             record_words(state.records), state.ring, state.ring_counter, state.stats, state.error, ws.sync,
             ws.write_offsets, ws.seed, ws.block_sum, ws.block_flag, marks.words if stamp else ws.sync,
             marks.epoch if stamp else ws.sync, *source_words(sources, ws.seed), meta if meta is not None else ws.sync,
-            state.source_tags, source_halves(fp_sources), window, state.num_slots, state.ring_capacity, max_spins))
+            state.source_tags, source_halves(fp_sources), window, state.num_slots, state.ring_capacity, max_spins,
+            *(publication if publication is not None else (ws.sync, ws.sync)),
+            publication[1].shape[0] if publication is not None else 1))
         self.constexprs = dict(
             STAMP=stamp, HAS_LUT=False, HAS_TRUTH=False, NUM_SOURCES=len(sources), VERIFY_SOURCES=len(fp_sources),
             HALVES=source_halves(sources),
             NBITS=num_bits(ws.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
-            BLOCK_V=self.block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=self.block_t)
+            BLOCK_V=self.block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=self.block_t,
+            PUBLISH=False, PUB_W=COUNTER_BLOCK_WORDS, PUB_BLOCK=triton.next_power_of_2(COUNTER_BLOCK_WORDS),
+            FENCE=self.cuda)
         self._variants: dict = {}
 
-    def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag) -> None:
+    def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
+               publish: bool = False) -> None:
         rows, max_ctx = rtt.shape
         self.launch_laid(self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held),
                          lut is not None, truth is not None, held, tag,
                          (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None
-                          else 0))
+                          else 0), publish=publish)
 
     def launch_laid(self, tensors: tuple, has_lut: bool, has_truth: bool, held, tag: int, laid: tuple,
-                    addresses: list | None = None) -> None:
+                    addresses: list | None = None, publish: bool = False) -> None:
         """``launch`` of ``tensors`` (``tensors()``) with the batch's sizes read already: ``laid`` is
         (n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0); ``addresses``: the tensors'
-        ``data_ptr()``, where the caller read them."""
+        ``data_ptr()``, where the caller read them; ``publish``: the last program out publishes
+        the counter block (``publication``, bound)."""
         n, bs = laid[0], laid[1]
         split = self.split
         if split is None:
@@ -555,7 +566,7 @@ class _CheckLaunch:
         launch_typed(_check_kernel, (grid,), tensors,
                      (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
                       held.shape[0] if held is not None else 0),
-                     (has_lut, has_truth, held is not None), self._constexprs(has_lut, has_truth),
+                     (has_lut, has_truth, held is not None, publish), self._constexprs(has_lut, has_truth, publish),
                      num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
 
     def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held) -> tuple:
@@ -565,10 +576,11 @@ class _CheckLaunch:
                 truth if truth is not None else rtt, truth_lens if truth_lens is not None else prefix_lens,
                 ids, pos, loc, held if held is not None else self.sync)
 
-    def _constexprs(self, has_lut: bool, has_truth: bool) -> dict:
-        c = self._variants.get((has_lut, has_truth))
+    def _constexprs(self, has_lut: bool, has_truth: bool, publish: bool = False) -> dict:
+        c = self._variants.get((has_lut, has_truth, publish))
         if c is None:
-            c = self._variants[has_lut, has_truth] = {**self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth}
+            c = self._variants[has_lut, has_truth, publish] = {**self.constexprs, "HAS_LUT": has_lut,
+                                                               "HAS_TRUTH": has_truth, "PUBLISH": publish}
         return c
 
 
@@ -630,12 +642,18 @@ class BoundCheck:
 
     A call returns False having launched nothing for a batch it does not take; the caller then
     runs ``check_forward``, which raises the error that names the argument. Triton only (CUDA, or
-    the CPU under the interpreter)."""
+    the CPU under the interpreter).
+
+    ``publication``: (seq, rows) of ``ops.publish`` for the state's counter block, checked here; a
+    call with ``publish=True`` then publishes the block from its last program out, after every
+    other program of the launch has counted: the launch and ``publish_counters`` after it in one
+    (an eager TAIL hands ``end_step`` its counters without a launch of their own)."""
 
     def __init__(self, state: DeviceState, *, stamp: bool, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
                  meta: torch.Tensor | None = None, window: int = 0, marks: WriteMarks | None = None,
                  truth: torch.Tensor | None = None, truth_lens: torch.Tensor | None = None,
-                 split: int | None = None, max_spins: int | None = None, memo: BatchMemo | None = None):
+                 split: int | None = None, max_spins: int | None = None, memo: BatchMemo | None = None,
+                 publication: tuple[torch.Tensor, torch.Tensor] | None = None):
         check_state(state)
         if not isinstance(mode, FingerprintMode):
             raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
@@ -665,20 +683,31 @@ class BoundCheck:
         _check_split(split, max_spins)
         if memo is not None and not isinstance(memo, BatchMemo):
             raise InputTypeError(f"memo must be a BatchMemo or None, got {type(memo).__name__}")
+        if publication is not None:
+            if type(publication) is not tuple or len(publication) != 2:
+                got = f"a tuple of {len(publication)}" if type(publication) is tuple else type(publication).__name__
+                raise InputTypeError(f"publication must be a (seq, rows) tuple or None, got {got}")
+            validate_publication(state.counter_block(), *publication)
         self.state, self.stamp, self.window = state, stamp, window
         self.truth, self.truth_lens = truth, truth_lens
         self.max_bs, self.max_tokens = workspace.max_bs, workspace.max_tokens
         self.index = device.index if device.type == "cuda" else -1  # Tensor.get_device() of the state's tensors
         self._tags: set[int] = set()
-        self._launch = _CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins)
+        self._launch = _CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins,
+                                    publication)
         self.memo = memo if memo is not None else BatchMemo()
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  req_to_token: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, *, tag: int, truth: bool = False, lut: torch.Tensor | None = None,
-                 held: torch.Tensor | None = None) -> bool:
+                 held: torch.Tensor | None = None, publish: bool = False) -> bool:
         """HEAD (the bound ``stamp``) or TAIL of one batch, with the bound truth table when
-        ``truth``; True when launched (see the class doc)."""
+        ``truth``, publishing the counter block when ``publish``; True when launched (see the
+        class doc)."""
+        if publish is not False and (publish is not True or self._launch.publication is None):
+            raise InputError(f"publish must be True or False, got {publish!r}" if publish is not True else
+                             "publish=True but this BoundCheck has no publication; bind one with "
+                             "BoundCheck(..., publication=(seq, rows))")
         state = self.state
         state.check()
         if tag not in self._tags:
@@ -717,9 +746,9 @@ class BoundCheck:
                 return False
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
         if laid is None:
-            self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag)
+            self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag, publish)
         else:
-            self._launch.launch_laid(tensors, lut is not None, truth, held, tag, laid, addresses)
+            self._launch.launch_laid(tensors, lut is not None, truth, held, tag, laid, addresses, publish)
         return True
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:

@@ -235,6 +235,8 @@ class Canary:
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
+        # the last publication, an eager TAIL's, carries the counters: nothing launched since (``join``)
+        self._tail_current = False
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
         # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream,
@@ -275,13 +277,14 @@ class Canary:
         the canary's own arguments (every call then takes ``check_forward``, which raises the error)."""
         memo = BatchMemo()  # a forward's TAIL finds its batch laid out as its HEAD found it
 
-        def bind(stamp: bool, sources) -> BoundCheck:
+        def bind(stamp: bool, sources, publication=None) -> BoundCheck:
             return BoundCheck(self.state, stamp=stamp, sources=sources, mode=self.config.real_kv, meta=self.meta,
                               window=self.window, marks=self.marks if stamp else None, truth=self.truth,
-                              truth_lens=self.truth_lens, memo=memo)
+                              truth_lens=self.truth_lens, memo=memo, publication=publication)
 
-        try:
-            bound = {"tail": bind(False, self.sources)}
+        pub = self.reporter.publication if self.publishing else None
+        try:  # an eager TAIL publishes the counters from its own launch (``end_step`` then launches none)
+            bound = {"tail": bind(False, self.sources, (pub.seq, pub.rows) if pub is not None else None)}
             if self.side is not None:
                 bound["side_head"] = bind(True, ())
             if self.side is None or not self.side_eager:
@@ -290,13 +293,13 @@ class Canary:
         except KVCanaryError:
             return None
 
-    def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None) -> bool:
-        """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``); False (nothing
-        launched): call ``check_forward``."""
+    def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None, publish: bool = False) -> bool:
+        """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``; ``publish``: TAIL
+        publishing the counters); False (nothing launched): call ``check_forward``."""
         bound = self._bound
         return bound is not None and bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token,
                                                    b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
-                                                   lut=self._lut(b), held=held)
+                                                   lut=self._lut(b), held=held, publish=publish)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
         """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``);
@@ -332,7 +335,9 @@ class Canary:
 
     def join(self) -> None:
         """Order the current stream after the canary's side-stream work (``CanaryConfig.overlap``).
-        ``tail`` joins; so does every call that touches the canary's state on the current stream."""
+        ``tail`` joins; so does every call that touches the canary's state on the current stream
+        (so after a join an eager TAIL's publication no longer carries the counters)."""
+        self._tail_current = False
         if not self._side_busy:
             return
         # a capture starts synchronised: eager side work needs no wait inside it (nor could have one)
@@ -377,6 +382,7 @@ class Canary:
         if b.batch_size > self.config.max_bs:
             raise ValueError(f"batch size {b.batch_size} > CanaryConfig.max_bs ({self.config.max_bs}); raise max_bs")
         t0 = time.perf_counter()
+        self._tail_current = False  # the truth scatter writes the error flags
         if self._side_busy:
             self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
         use_truth = self._use_truth(b)
@@ -518,11 +524,13 @@ class Canary:
             self._launch_tail(b, capturing)
         self._tail_started = True
 
-    def _launch_tail(self, b: ForwardBatch, capturing: bool) -> None:
-        """TAIL's launch on the current stream; ``capturing``: whether that stream is capturing."""
+    def _launch_tail(self, b: ForwardBatch, capturing: bool, publish: bool = False) -> None:
+        """TAIL's launch on the current stream; ``capturing``: whether that stream is capturing;
+        ``publish``: an eager TAIL on the model's stream publishes the counters from its launch."""
         bs = b.batch_size
         tag, truth = self.tag(LaunchPoint.TAIL), self._use_truth(b)
-        if not self._checked(b, tag, "tail", truth):
+        if not self._checked(b, tag, "tail", truth, publish=publish):
+            publish = False
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                           extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                           positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=False,
@@ -531,8 +539,12 @@ class Canary:
                           window=self.window, backend=self.backend)
         if self.publishing and capturing:
             self.reporter.publish()  # each replay hands end_step its counters
-        elif self._replays:
+            return
+        if self._replays:
             self._replays -= 1
+        self._tail_current = publish
+        if publish:
+            self.reporter.published()
 
     def tail(self, b: ForwardBatch) -> None:
         """Verify the prefix again (stray writes during the forward, fingerprints), check every
@@ -555,7 +567,7 @@ class Canary:
             self._tail_started = False
             self.join()
         elif self.fused:
-            self._launch_tail(b, capturing)
+            self._launch_tail(b, capturing, self.publishing and not capturing)
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)
@@ -927,12 +939,12 @@ class Canary:
         if reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
             report.violations = reporter.read_host(meta)
         else:
-            report.violations = reporter.advance(meta, self._replays)
+            report.violations = reporter.advance(meta, self._replays, self._tail_current)
         self._meta = StepMeta(step + 1)
         totals = self.totals
         totals.steps += 1
         report.alarms = self.watchdog.observe_launches(reporter.host_launches())
-        self._replays = 0
+        self._replays, self._tail_current = 0, False
         if not self._on_cuda:
             report.device_flags = self._read_device_flags()
         elif reporter.flags_read:  # CUDA: read with the counters

@@ -245,6 +245,7 @@ class Reporter:
         # ``counter | stats | error`` of the snapshot being read, copied here (CUDA): one buffer, reused
         self._read_words = memoryview(np.zeros(2 + stats.numel(), dtype=np.int64))
         self.publication: Publication | None = None  # set by ``start_publishing``
+        self._unread = 0  # publications made since the last snapshot besides replays (``published``)
 
     def start_publishing(self) -> bool:
         """On CUDA with a counter block: let captured graphs publish their counters (``publish``);
@@ -259,14 +260,20 @@ class Reporter:
         """The launch a captured graph holds after TAIL (see ``runtime.snapshots``)."""
         self.publication.launch()
 
-    def snapshot(self, meta: StepMeta, replays: int = 0) -> None:
+    def published(self) -> None:
+        """A launch (an eager TAIL) published the counter block: the next snapshot counts it."""
+        self._unread += 1
+
+    def snapshot(self, meta: StepMeta, replays: int = 0, current: bool = False) -> None:
         """Enqueue this step's counters (never blocks): with a publication (CUDA,
         ``start_publishing``), ``replays`` graph replays since the last snapshot published them, or
-        with none this call publishes them now, behind the step's checks; else they are copied now."""
+        where ``current`` the last publication counted by ``published`` did (nothing launched
+        since), or else this call publishes them now, behind the step's checks; without a
+        publication they are copied now."""
         reset = self._reset_next
         pub = self.publication
         if pub is not None:
-            pub.expected += self._published(replays)
+            pub.expected += self._published(replays, current)
             snap = _Snapshot(meta, None, None, None, reset, seq=pub.expected)
         elif self.is_cuda:
             snap = self._copy_cuda(meta, reset)
@@ -284,7 +291,7 @@ class Reporter:
             self.counter.zero_()
             self._reset_next = False
 
-    def advance(self, meta: StepMeta, replays: int = 0) -> list[Violation]:
+    def advance(self, meta: StepMeta, replays: int = 0, current: bool = False) -> list[Violation]:
         """``snapshot`` then ``collect``. A step whose snapshot a publication carries, behind one
         published snapshot and no counter restart (every clean step after the first), takes that
         snapshot's place in the queue and reads the one before it, in one call."""
@@ -292,20 +299,22 @@ class Reporter:
         if pub is not None and not self._reset_next and len(pending) == 1 and self.lag == 1:
             old = pending[0]
             if type(old) is _Snapshot and old.seq >= 0:
-                pub.expected += self._published(replays)
+                pub.expected += self._published(replays, current)
                 pending[0] = _Snapshot(meta, None, None, None, False, seq=pub.expected)
                 self.flags_read = 0
                 return self._read(old)
-        self.snapshot(meta, replays)
+        self.snapshot(meta, replays, current)
         return self.collect()
 
-    def _published(self, replays: int) -> int:
-        """The publications this step adds: its ``replays`` (each graph published its counters),
-        or, after eager forwards only, one launched now on the current stream."""
-        if replays:
-            return replays
+    def _published(self, replays: int, current: bool) -> int:
+        """The publications this step adds: its ``replays`` (each graph published its counters) and
+        the launches' (``published``), plus one launched now on the current stream unless a replay
+        or, where ``current``, the last launch's carries the step's counters."""
+        n, self._unread = replays + self._unread, 0
+        if replays or (current and n):
+            return n
         self.publication.launch()
-        return 1
+        return n + 1
 
     def _read_now(self, snap: _Snapshot) -> tuple[list[Violation], int]:
         """A pending snapshot's violations and error flags, read ahead of ``collect``."""

@@ -11,9 +11,11 @@
 
 A row holds the counter block: ``ring_counter | stats | error`` (``DeviceState.counter_block()``).
 A replayed graph publishes its own counters, so ``end_step`` after a replay makes no CUDA call
-at all; after eager forwards ``end_step`` makes one, the publication's launch (a copy and an
-event record, two calls, only where the device cannot publish). The host counts the
-publications it expects (one a replay, one a step of eager forwards); when the expected row
+at all. An eager TAIL publishes from its own launch (its last program out, ``ops.check``), so
+``end_step`` after it makes no call either, unless the canary launched something after that TAIL
+(a sweep, a landed copy's check, another HEAD): then ``end_step`` launches the publication (a
+copy and an event record, two calls, where the device cannot publish). The host counts the
+publications it expects (one a replay, one an eager TAIL, one a launch); when the expected row
 does not arrive (a replay without TAIL, replays without ``end_step``) the reader synchronises
 and falls back to the block as it is then, and counts on from the device's sequence number.
 """

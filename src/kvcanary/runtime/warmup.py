@@ -8,7 +8,8 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 | launch                         | variants                                                  |
 |--------------------------------|-----------------------------------------------------------|
 | HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table; |
-|                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured |
+|                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured; |
+|                                | TAIL publishing the counters (eager) and not (captured)   |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
 | the truth scatter (truth on)   | each (block, warps) of ``SCATTER_VARIANTS``, whole histories and appends |
 | SWEEP (the plan's verify)      | one; on CUDA then captured with the plan's load, one graph per size class |
@@ -72,16 +73,20 @@ def warm_up(canary: Canary) -> float:
     # a captured forward takes the side stream (HEAD without marks, then the marks' own launch), an
     # eager one under Overlap.CAPTURED the current stream (HEAD marking): warm both where both are taken
     placements = sorted({canary.side_eager, canary.side is not None})
-    side_eager = canary.side_eager
+    # an eager TAIL publishes the counters from its launch, a captured one leaves that to the graph's
+    # own publication: TAIL both ways where the canary publishes
+    publishing = sorted({False, canary.publishing})
+    side_eager, publishes = canary.side_eager, canary.publishing
     try:
         for canary.side_eager in placements:
             for truth in sorted({False, bool(canary.config.truth)}):
                 for bs in _batch_sizes(canary):
                     b = _empty_batch(canary, bs, truth)
                     canary.launch_head(b)
-                    canary.tail(b)
+                    for canary.publishing in publishing:
+                        canary.tail(b)
     finally:
-        canary.side_eager = side_eager
+        canary.side_eager, canary.publishing = side_eager, publishes
     if canary.config.truth and use_triton(Backend.AUTO, dev):
         flat = torch.zeros(1, dtype=torch.int64, device=dev)
         offsets = torch.tensor([0, 1], dtype=torch.int64, device=dev)
