@@ -31,8 +31,10 @@ sees a record this forward writes), then continue the chain across blocks with a
 look-back over per-block sums (a flag per block: aggregate ready, with or without a segment start,
 or inclusive prefix ready; tagged with a per-launch epoch, so nothing is reset between launches;
 aggregate and inclusive sum in separate words, so a reader never takes one for the other).
-The last program to finish bumps the epoch. The workspace holds no data between launches beyond
-the epoch: one ``Workspace`` per stream of launches.
+The last program to finish bumps the epoch and, in a launch that publishes (``BoundCheck`` with a
+``publication``, called with ``publish=True``: an eager TAIL), copies the counter block into the
+publication's rows as ``ops.publish.publish_counters`` would after the launch. The workspace
+holds no data between launches beyond the epoch: one ``Workspace`` per stream of launches.
 """
 
 from __future__ import annotations
