@@ -6,9 +6,9 @@ Builds one engine per mode (off, partial, none; ``bench_engine.py``'s workload o
 32 new tokens, graph-captured decode on CUDA), warms each up with a run, then times ``--runs``
 interleaved runs per mode with timers around the engine's own parts (scheduling, the batch, the
 graph load and replay, the eager forward, sampling, delivery, the host tier's offload), its hooks,
-the canary's calls and the sweep's parts, plus Python's garbage collections. A part that grows
-with the canary on although the canary's own timers do not cover it is a cost of the canary that
-its share leaves out. Prints, per part and mode: total ms a run, median µs a call and calls a
+the canary's calls (``end_step`` also by the kind of step it ends: eager or replayed) and the
+sweep's parts, plus Python's garbage collections. A part that grows with the canary on although
+the canary's own timers do not cover it is a cost of the canary that its share leaves out. Prints, per part and mode: total ms a run, median µs a call and calls a
 run; on CUDA, then each captured decode graph replayed alone (device-bound, µs a replay).
 """
 
@@ -35,6 +35,21 @@ CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tai
                 "rows_landed")
 HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "before_move",
          "on_offload", "on_load", "on_free")
+
+
+def _by_step_kind(canary, record):
+    """``canary.end_step`` timed again under the kind of step it ends: "after eager" where every
+    forward of the step ran eagerly (the canary counted no replay), else "after replays"."""
+    end_step = canary.end_step
+
+    def g(step):
+        label = "canary.end_step after " + ("replays" if canary._replays else "eager")
+        t = time.perf_counter()
+        try:
+            return end_step(step)
+        finally:
+            record(label, time.perf_counter() - t)
+    return g
 
 
 def main(argv=None) -> None:
@@ -92,6 +107,7 @@ def main(argv=None) -> None:
             for n in CANARY_CALLS:
                 if hasattr(hooks.canary, n):  # an older tree may lack one
                     setattr(hooks.canary, n, timed(getattr(hooks.canary, n), f"canary.{n}"))
+            hooks.canary.end_step = _by_step_kind(hooks.canary, record)
     walls = collections.defaultdict(list)
     for k in range(args.runs):
         for m in MODES[k % len(MODES):] + MODES[: k % len(MODES)]:
