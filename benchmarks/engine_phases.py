@@ -8,8 +8,9 @@ interleaved runs per mode with timers around the engine's own parts (scheduling,
 graph load and replay, the eager forward, sampling, delivery, the host tier's offload), its hooks,
 the canary's calls (``end_step`` also by the kind of step it ends: eager or replayed) and the
 sweep's parts, plus Python's garbage collections. A part that grows with the canary on although
-the canary's own timers do not cover it is a cost of the canary that its share leaves out. Prints, per part and mode: total ms a run, median µs a call and calls a
-run; on CUDA, then each captured decode graph replayed alone (device-bound, µs a replay).
+the canary's own timers do not cover it is a cost of the canary that its share leaves out.
+Prints, per part and mode: total ms a run, median µs a call and calls a run; on CUDA, then each
+captured decode graph replayed alone (device-bound, µs a replay).
 """
 
 from __future__ import annotations
