@@ -7,8 +7,9 @@ during the sitting weighs on both trees alike.
 
 Each tree is a ``src`` folder (for example ``git archive <commit> src | tar -x -C <dir>``). Prints
 one line a process (the canary-off run's median seconds, each mode's median share of its run's
-wall time, and each canary call's ms a run), then per tree the median share of its processes with
-their range, and the median of each call's ms a run. The share divides by the same process's wall
+wall time, each canary call's ms a run, and ``end_step``'s median µs a call after an eager step
+and after replays), then per tree the median share of its processes with their range, and the
+medians of the calls' figures. The share divides by the same process's wall
 time; on a lent host the absolute figures move by tens of per cent from one process to the next,
 so compare shares (BENCHMARKS.md: "one tree, two paths"). ``--raw`` keeps every process's output.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 PHASES = Path(__file__).with_name("engine_phases.py")
 MODES = ("partial", "none")
 CALLS = ("end_step", "prepare_head", "sweep", "launch_head", "tail")
+STEP_KINDS = ("eager", "replays")  # ``engine_phases.py``'s "canary.end_step after <kind>" lines
 _RUNS = re.compile(r"^(off|partial|none) runs \(s, steps, canary s\): (\[.*\])$", re.M)
 
 
@@ -43,6 +45,11 @@ def parse(text: str) -> dict:
         m = re.search(rf"^canary\.{call}\s+\S+\s+\S+\s+\d+\s+(\S+)\s", text, re.M)
         if m:
             out["calls"][call] = float(m.group(1))
+    out["end_step_us"] = {}  # median µs a call (partial) by the kind of step it ends, where printed
+    for kind in STEP_KINDS:
+        m = re.search(rf"^canary\.end_step after {kind}\s+\S+\s+\S+\s+\d+\s+\S+\s+(\S+)\s", text, re.M)
+        if m:
+            out["end_step_us"][kind] = float(m.group(1))
     if "off_s" not in out or any(m not in out for m in MODES):
         raise ValueError("engine_phases.py printed no runs for every mode:\n" + text[-2000:])
     return out
@@ -75,8 +82,9 @@ def main(argv=None) -> None:
         r = parse(text)
         got[name].append(r)
         calls = " ".join(f"{c} {ms:.2f}" for c, ms in r["calls"].items())
+        kinds = "".join(f" {k} {us:.1f}" for k, us in r["end_step_us"].items())
         print(f"{i:2d} {name}  off {r['off_s']:.3f} s  share partial {r['partial']:.2f} %  none {r['none']:.2f} %"
-              f"  | ms a run: {calls}", flush=True)
+              f"  | ms a run: {calls}" + (f"  | end_step µs a call after:{kinds}" if kinds else ""), flush=True)
     if args.raw:
         Path(args.raw).write_text("".join(raw))
     for name, tree in (("A", args.a), ("B", args.b)):
@@ -85,7 +93,10 @@ def main(argv=None) -> None:
                            f"[{min(r[m] for r in rs):.2f}-{max(r[m] for r in rs):.2f}]" for m in MODES)
         calls = " ".join(f"{c} {statistics.median(r['calls'][c] for r in rs):.2f}" for c in CALLS
                          if all(c in r["calls"] for r in rs))
-        print(f"{name} ({tree}, {len(rs)} processes): share {shares}  | median ms a run: {calls}")
+        kinds = "".join(f" {k} {statistics.median(r['end_step_us'][k] for r in rs):.1f}" for k in STEP_KINDS
+                        if all(k in r["end_step_us"] for r in rs))
+        print(f"{name} ({tree}, {len(rs)} processes): share {shares}  | median ms a run: {calls}"
+              + (f"  | median end_step µs a call after:{kinds}" if kinds else ""))
 
 
 if __name__ == "__main__":
