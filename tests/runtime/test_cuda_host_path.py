@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcanary.config import CanaryConfig, Policy
-from kvcanary.core.record import CHAIN, record_words
+from kvcanary.core.record import CHAIN, Reason, record_words
 from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry
 
@@ -216,8 +216,8 @@ def test_an_eager_tail_publishes_its_steps_counters_and_end_step_launches_none(m
     assert now.violations == []
     if damaged:  # HEAD of step 4 and of every later step reads it
         assert {v.step for v in late.violations} == {4}
-        assert {v.point.name for v in late.violations} == {"HEAD", "TAIL"}
-        assert slot in {v.slot for v in late.violations if v.point.name == "HEAD"}
+        assert {(v.point.name, v.reasons) for v in late.violations if v.slot == slot} == {
+            ("HEAD", Reason.CHAIN), ("TAIL", Reason.CHAIN)}
     else:
         assert late.violations == [] and after.violations == []
     assert launches == [] and canary.reporter.publication.fallbacks == 0
@@ -251,8 +251,8 @@ def test_a_sweep_after_the_eager_tail_is_published_by_end_step_with_its_step(mon
     late = canary.end_step(4)
     assert now.violations == []
     if damaged:
-        sweep = [v for v in late.violations if v.point.name == "SWEEP"]
-        assert sweep and {v.step for v in sweep} == {3} and {v.slot for v in sweep} == {slot}
+        got = {(v.step, v.point.name, v.slot, v.reasons) for v in late.violations}
+        assert got == {(3, "SWEEP", slot, Reason.CHAIN)}
     else:
         assert late.violations == []
     assert launches == [1] and canary.reporter.publication.fallbacks == 0

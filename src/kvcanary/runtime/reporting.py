@@ -207,7 +207,8 @@ class _Snapshot:
 class Reporter:
     """Snapshots the ring counter, stats and error flags each step and decodes new rows one step
     later. On CUDA the three are read from preallocated pinned rows (``runtime.snapshots``): a
-    replayed graph publishes them itself, ``snapshot`` publishes them after eager forwards, and
+    replayed graph publishes them itself, an eager TAIL from its launch (``published``), else
+    ``snapshot`` publishes them after eager forwards, and
     where the device cannot publish it copies them (one copy when ``block`` holds them back to
     back, as ``DeviceState.counter_block()``)."""
 
