@@ -10,6 +10,7 @@ import torch
 
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import CHAIN, Reason, record_words
+from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry
 
@@ -256,3 +257,59 @@ def test_a_sweep_after_the_eager_tail_is_published_by_end_step_with_its_step(mon
     else:
         assert late.violations == []
     assert launches == [1] and canary.reporter.publication.fallbacks == 0
+
+
+def _count_scatter_launches(monkeypatch) -> list:
+    """The canary's own truth-scatter launches (not a HEAD's), counted from here on."""
+    import kvcanary.runtime.canary as canary_module
+
+    launches, scatter = [], canary_module.scatter_validated
+    monkeypatch.setattr(canary_module, "scatter_validated", lambda *a, **k: (launches.append(1), scatter(*a, **k))[1])
+    return launches
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_an_eager_head_scatters_its_truth_in_its_own_launch(monkeypatch, damaged):
+    """``forward`` (``prepare_head(eager=True)``): HEAD's launch writes the histories and lengths
+    the scatter would (the CPU path's table), launches no scatter of its own, and a history that
+    differs from what a slot holds is caught at HEAD and TAIL of its step."""
+    gen = torch.Generator().manual_seed(14)
+    tokens = _tokens(gen)
+    got, want = _canary("cuda"), _canary("cpu", fused=False)
+    launches = _count_scatter_launches(monkeypatch)
+    reports = []
+    for step in range(5):
+        told = tokens.clone()
+        if damaged and step == 4:
+            told[2, 1] += 1  # row 2's history at position 1 no longer matches its stamped slot
+        for canary, dev in ((got, "cuda"), (want, "cpu")):
+            with canary.forward(_batch(dev, gen, told, step, 1)):
+                pass
+        reports.append(got.end_step(step))
+        want.end_step(step)
+    reports.append(got.flush(5))
+    assert launches == []
+    torch.cuda.synchronize()
+    assert torch.equal(got.truth.cpu(), want.truth) and torch.equal(got.truth_lens.cpu(), want.truth_lens)
+    found = {(v.step, v.point.name, v.slot, v.reasons) for r in reports for v in r.violations}
+    slot = 2 * CTX + 1 + 1  # row 2, position 1
+    assert found == ({(4, "HEAD", slot, Reason.VERIFY_TOKEN), (4, "TAIL", slot, Reason.VERIFY_TOKEN)} if damaged
+                     else set())
+
+
+def test_prepare_head_eager_without_its_launch_head_raises_at_end_step_with_the_table_right(monkeypatch):
+    gen = torch.Generator().manual_seed(15)
+    tokens = _tokens(gen)
+    canary, want = _canary("cuda"), _canary("cpu", fused=False)
+    launches = _count_scatter_launches(monkeypatch)
+    b = _batch("cuda", gen, tokens, 3, 2)
+    canary.prepare_head(b, eager=True)
+    assert launches == []  # left to HEAD
+    with pytest.raises(KVCanaryError, match=r"prepare_head\(batch, eager=True\) .* no launch_head of that batch"):
+        canary.end_step(0)
+    assert launches == [1]  # scattered when the promise broke
+    want.prepare_head(_batch("cpu", gen, tokens, 3, 2))
+    torch.cuda.synchronize()
+    assert torch.equal(canary.truth.cpu(), want.truth) and torch.equal(canary.truth_lens.cpu(), want.truth_lens)
+    with pytest.raises(KVCanaryError, match="prepare_head eager must be True or False, got 1"):
+        canary.prepare_head(b, eager=1)

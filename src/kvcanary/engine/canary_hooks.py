@@ -134,8 +134,9 @@ class CanaryHooks(EngineHooks):
             if self.window_canary is not None:
                 wruns = window_runs(runs, self.engine.pool.window.translate(torch.arange(self.engine.config.num_slots)))
                 self.window_canary.sweep(wruns, hold=True)
+        eager = not self.engine.replaying  # an eager forward's HEAD takes its truth scatter into its launch
         for canary, b in self._canaries(batch):
-            canary.prepare_head(b)
+            canary.prepare_head(b, eager=eager)
 
     def forward_prologue(self, batch: ForwardBatch) -> None:
         for canary, b in self._canaries(batch):

@@ -75,6 +75,7 @@ class Engine:
         self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
         self.graphs = DecodeGraphs(config.graph_batch_sizes, config.appends_truth) if config.cuda_graph else None
+        self.replaying = False  # whether this step's forward is a graph replay (set before ``before_forward``)
         self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
         self.delivery = Delivery()  # a canary's hooks set its lag to the canary's report lag
@@ -162,6 +163,7 @@ class Engine:
             self.jitter.draw()
         if graphed is not None:
             batch = graphed
+        self.replaying = graphed is not None
         self.hooks.before_forward(batch)
         logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch)
         self.hooks.after_forward(batch)

@@ -237,6 +237,8 @@ class Canary:
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
         # the last publication, an eager TAIL's, carries the counters: nothing launched since (``join``)
         self._tail_current = False
+        # CUDA: the batch whose whole-history truth scatter goes into its eager HEAD's launch (``prepare_head``)
+        self._scatter_for: ForwardBatch | None = None
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
         # HEAD's checks and TAIL off the model's critical path (CanaryConfig.overlap): a side stream,
@@ -293,13 +295,18 @@ class Canary:
         except KVCanaryError:
             return None
 
-    def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None, publish: bool = False) -> bool:
+    def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None, publish: bool = False,
+                 scatter: bool = False) -> bool:
         """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``; ``publish``: TAIL
-        publishing the counters); False (nothing launched): call ``check_forward``."""
+        publishing the counters; ``scatter``: HEAD scattering ``b``'s truth histories first);
+        False (nothing launched): call ``check_forward``."""
         bound = self._bound
-        return bound is not None and bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token,
-                                                   b.input_ids, b.positions, b.out_cache_loc, tag=tag, truth=truth,
-                                                   lut=self._lut(b), held=held, publish=publish)
+        if bound is None:
+            return False
+        ids, offsets = (b.truth_ids, b.truth_offsets) if scatter else (None, None)
+        return bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids,
+                             b.positions, b.out_cache_loc, tag=tag, truth=truth, lut=self._lut(b), held=held,
+                             publish=publish, truth_ids=ids, truth_offsets=offsets)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
         """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``);
@@ -369,14 +376,20 @@ class Canary:
         covered K/V bytes (TAIL requires the marks gone: MISSED_WRITE)."""
         if not self.config.enabled:
             return
-        self.prepare_head(b)
+        self.prepare_head(b, eager=True)
         self.launch_head(b)
 
-    def prepare_head(self, b: ForwardBatch) -> None:
+    def prepare_head(self, b: ForwardBatch, eager: bool = False) -> None:
         """The host-fed half of HEAD: remember the batch for the report, scatter its token truth.
         Not capturable (its input sizes change every step); run it before a graph replay. On CUDA
         a batch of truth appends (``ForwardBatch.truth_starts``) is appended by ``launch_head``
-        instead, inside the graph: its sizes are fixed."""
+        instead, inside the graph: its sizes are fixed. ``eager``: the caller launches this
+        batch's HEAD next, on the host (``launch_head``, not a graph replay); on CUDA its
+        whole-history scatter then goes into HEAD's own launch, one launch fewer. ``end_step``
+        raises KVCanaryError where no ``launch_head`` of the batch came (a replay read the table
+        without its histories)."""
+        if type(eager) is not bool:
+            raise KVCanaryError(f"prepare_head eager must be True or False, got {eager!r}")
         if not self.config.enabled:
             return
         if b.batch_size > self.config.max_bs:
@@ -385,6 +398,8 @@ class Canary:
         self._tail_current = False  # the truth scatter writes the error flags
         if self._side_busy:
             self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
+        if self._scatter_for is not None:  # a forward that raised before its HEAD: its scatter, as it would have run
+            self._scatter_pending()
         use_truth = self._use_truth(b)
         on_device = use_truth and self.truth.is_cuda
         if on_device:
@@ -396,11 +411,24 @@ class Canary:
         self._replays += 1  # until its TAIL runs eagerly
         if on_device:  # one launch that also writes truth_lens; checked when built; appends: launch_head's
             if b.truth_starts is None:
-                scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
-                                  self.truth_lens, HAS_TRITON)
+                if eager and self._bound is not None and "head" in self._bound:
+                    self._scatter_for = b  # HEAD's launch scatters (or ``launch_head`` first, where it cannot)
+                else:
+                    self._scatter_device(b)
         elif use_truth and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
             self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
+
+    def _scatter_device(self, b: ForwardBatch) -> None:
+        """CUDA: ``b``'s whole-history truth scatter, one launch that also writes truth_lens."""
+        scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
+                          self.truth_lens, HAS_TRITON)
+
+    def _scatter_pending(self) -> None:
+        """The scatter ``prepare_head`` left to a HEAD that is not taking it, launched now."""
+        b, self._scatter_for = self._scatter_for, None
+        self.join()
+        self._scatter_device(b)
 
     def _scatter_truth(self, b: ForwardBatch) -> None:
         scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
@@ -443,6 +471,12 @@ class Canary:
             return
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        # the scatter ``prepare_head`` left to this HEAD: in its launch where it runs eagerly on the model's
+        # stream; else (another batch's, a side-stream or captured HEAD) launched first, as it would have been
+        fold = (self._scatter_for is b and self.fused and not self._on_side()
+                and not torch.cuda.is_current_stream_capturing())
+        if self._scatter_for is not None and not fold:
+            self._scatter_pending()
         if self.cpu is not None and self._cpu_check(b, tag, True):
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
@@ -459,7 +493,10 @@ class Canary:
             self.join()  # an eager HEAD after a side one (ALWAYS, or an unjoined capture): stream-ordered again
             self._tail_started = False
             held = self._held_now()
-            if not self._checked(b, tag, "head", truth is not None, held):
+            self._scatter_for = None
+            if not self._checked(b, tag, "head", truth is not None, held, scatter=fold):
+                if fold:
+                    self._scatter_device(b)
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
@@ -931,6 +968,8 @@ class Canary:
         if self.config.policy is Policy.OFF:
             return report
         t0 = time.perf_counter()
+        if self._scatter_for is not None:
+            self._missed_eager_head()
         if self._side_busy:
             self.join()  # the counters are copied on the current stream
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
@@ -957,6 +996,16 @@ class Canary:
         if report.violations or report.alarms:  # a clean step has no policy to apply
             self._apply_policy(report)
         return report
+
+    def _missed_eager_head(self) -> None:
+        """``prepare_head(batch, eager=True)`` and no ``launch_head`` of the batch before ``end_step``:
+        scatter its histories now (the table stays right from here on), then raise."""
+        b = self._scatter_for
+        self._scatter_pending()
+        raise KVCanaryError(f"prepare_head(batch, eager=True) for a batch of {b.batch_size} requests, then end_step "
+                            "with no launch_head of that batch: its truth histories were scattered only now, so a "
+                            "graph replay in between read the table without them; pass eager=True only where "
+                            "launch_head(batch) follows on the host")
 
     def _read_device_flags(self, flush: bool = False) -> int:
         """The error flags the kernels raised (on CUDA: as of the snapshots the reporter just read,
@@ -992,6 +1041,8 @@ class Canary:
 
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
+        if self._scatter_for is not None:
+            self._scatter_pending()
         self.join()
         report = StepReport(step, self.reporter.collect(flush=True))
         report.device_flags = self._read_device_flags(flush=True)

@@ -9,7 +9,8 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 |--------------------------------|-----------------------------------------------------------|
 | HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table; |
 |                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured; |
-|                                | TAIL publishing the counters (eager) and not (captured)   |
+|                                | TAIL publishing the counters (eager) and not (captured); HEAD taking |
+|                                | its batch's truth scatter into its launch (eager, truth on, CUDA) |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
 | the truth scatter (truth on)   | each (block, warps) of ``SCATTER_VARIANTS``, whole histories and appends |
 | SWEEP (the plan's verify)      | one; on CUDA then captured with the plan's load, one graph per size class |
@@ -68,7 +69,8 @@ def warm_up(canary: Canary) -> float:
     dev = canary.state.records.device
     t0 = time.perf_counter()
     state, plan = canary.state, canary.sweep_plan
-    saved = [(t, t.clone()) for t in (state.stats, state.ring_counter, state.error, plan.count, plan.enable)]
+    saved = [(t, t.clone()) for t in (state.stats, state.ring_counter, state.error, plan.count, plan.enable,
+                                      canary.truth_lens)]  # a HEAD taking the scatter writes the first length
     seconds = canary.totals.seconds
     # a captured forward takes the side stream (HEAD without marks, then the marks' own launch), an
     # eager one under Overlap.CAPTURED the current stream (HEAD marking): warm both where both are taken
@@ -83,6 +85,9 @@ def warm_up(canary: Canary) -> float:
                 for bs in _batch_sizes(canary):
                     b = _empty_batch(canary, bs, truth)
                     canary.launch_head(b)
+                    if truth and canary.truth.is_cuda:  # an eager HEAD taking its whole-history scatter
+                        canary._scatter_for = b  # (``prepare_head(b, eager=True)`` without counting a forward)
+                        canary.launch_head(b)
                     for canary.publishing in publishing:
                         canary.tail(b)
     finally:
