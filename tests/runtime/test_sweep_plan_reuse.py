@@ -35,6 +35,10 @@ def test_a_sweep_over_the_entries_its_plan_holds_copies_nothing_and_still_report
     loads = []
     load = c._load_sweep_plan
     monkeypatch.setattr(c, "_load_sweep_plan", lambda *cols: loads.append(len(cols[0])) or load(*cols))
+    graphs = c._sweep_graphs
+    if graphs is not None:  # CUDA: runs that fit whole are staged by the graphs' ``load_blocks``
+        load_blocks = graphs.load_blocks
+        monkeypatch.setattr(graphs, "load_blocks", lambda blocks, m: loads.append(m) or load_blocks(blocks, m))
     n = c.sweep(runs)
     assert n == sum(len(s) - keep for s in slots) and loads == [n]
     assert c.sweep(runs) == n and loads == [n]  # launched on the plan as it is

@@ -57,7 +57,7 @@ from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
-from kvcanary.runtime.sweep import RunCache, SweepRun, sweep_entries
+from kvcanary.runtime.sweep import RunCache, SweepRun, same_blocks, sweep_entries
 from kvcanary.runtime.sweep_graphs import SweepGraphs, staging_words
 from kvcanary.runtime.warmup import warm_up
 from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
@@ -216,6 +216,7 @@ class Canary:
         # the window of those arrays the sweep plan holds (``_window_of``): a sweep over the same
         # entries launches the verify without staging or copying them again
         self._plan_window: tuple | None = None
+        self._plan_blocks: list | None = None  # or those arrays' kept blocks, in order (``_sweep_whole``)
         # CUDA: pinned words a sweep's entries are copied from (packed by ``_staged``, or laid out by
         # the sweep's graphs), the device words they land in before they are spread into the plan's
         # columns, and the event of their last copy; made here, not at the first sweep, which would
@@ -688,6 +689,12 @@ class Canary:
         t0 = time.perf_counter()
         budget = self.config.sweep_budget_bytes if budget_bytes is None else budget_bytes
         n_max = min(budget // self.entry_bytes(), self.sweep_plan.capacity)
+        if self._sweep_graphs is not None or self.cpu is not None:
+            n = self._sweep_whole(runs, n_max, hold)
+            if n is not None:
+                self.totals.sweeps += 1
+                self.totals.seconds += time.perf_counter() - t0
+                return n
         start = self._sweep_cursor
         (slot, pred, pos, tok), self._sweep_cursor = sweep_entries(runs, start, n_max, self._runs)
         window = _window_of(slot)
@@ -711,11 +718,43 @@ class Canary:
         self.totals.seconds += time.perf_counter() - t0
         return n
 
+    def _sweep_whole(self, runs: Sequence[SweepRun], n_max: int, hold: bool) -> int | None:
+        """A sweep whose runs fit its budget whole: the same entries as ``sweep_entries`` takes,
+        in run order from the first (every one is verified, so where the last sweep stopped does
+        not matter), without cutting a window out of them. On CUDA, with the sweep's graphs,
+        staged from each run's kept entries in one copy into the graphs' pinned rows, or verified
+        again where the plan holds those very entries; on the CPU, the compiled verify reads the
+        runs' joined arrays. None, with nothing done, where they do not fit."""
+        blocks = self._runs.entries([r for r in runs if r.slots.numel()]) if runs else []
+        n = sum(b.shape[1] for b in blocks)
+        if n > n_max:
+            return None
+        if self.cpu is not None:
+            every = self._runs.concatenated(blocks)
+            self._load_sweep_plan(every[0], every[1], every[2], every[3])
+            if hold:
+                self._hold_host(every[0])
+            self._meta.sweep_runs.append(blocks)
+            return n
+        self.join()
+        self._keep_held()
+        graphs, loaded = self._sweep_graphs, self._plan_blocks
+        if loaded is not None and same_blocks(loaded, blocks):
+            graphs.again()
+        else:
+            graphs.load_blocks(blocks, n)
+            self._plan_window, self._plan_blocks = None, blocks
+        if hold:
+            self.held = graphs.held[:n]  # every slot, in order: widened by the replay
+            self._held_in_plan = True
+        self._meta.sweep_runs.append(blocks)
+        return n
+
     def _load_sweep_plan(self, slot, pred, pos, tok) -> int:
         """Load the sweep plan with entries (int64 host arrays or sequences) and verify it; more
         entries than the plan holds (a long landed copy) a plan's capacity at a time."""
         self.join()
-        self._plan_window = None  # until ``sweep`` names the entries it loaded
+        self._plan_window = self._plan_blocks = None  # until ``sweep`` names the entries it loaded
         p, n = self.sweep_plan, len(slot)
         if n > p.capacity:
             for at in range(0, n, p.capacity):

@@ -117,14 +117,18 @@ class StepMeta:
     step: int
     batch: object | None = None  # the ForwardBatch of the step's forward
     sweep_slots: dict[int, int] = field(default_factory=dict)  # slot -> position, for sweep rows
-    sweep_runs: list = field(default_factory=list)  # (slots, positions) int64 arrays of the step's sweeps, in order
+    # what the step's sweeps checked, in order: each (slots, positions), int64 arrays, or a list of
+    # int64 [4, n] entry blocks (slot, pred, position, token) of one sweep
+    sweep_runs: list = field(default_factory=list)
 
     def sweep_position(self, slot: int) -> int | None:
         """The position a sweep of this step checked ``slot`` at (the latest sweep's), else None."""
-        for slots, positions in reversed(self.sweep_runs):
-            hit = np.flatnonzero(slots == slot)
-            if hit.size:
-                return int(positions[hit[-1]])
+        for checked in reversed(self.sweep_runs):
+            pairs = ((b[0], b[2]) for b in reversed(checked)) if isinstance(checked, list) else (checked,)
+            for slots, positions in pairs:
+                hit = np.flatnonzero(slots == slot)
+                if hit.size:
+                    return int(positions[hit[-1]])
         return self.sweep_slots.get(slot)
 
 

@@ -59,6 +59,11 @@ def _tokens(runs: list[SweepRun], lens: list[int], total: int) -> np.ndarray:
     return tok
 
 
+def same_blocks(a: list, b: list) -> bool:
+    """Whether two lists of a ``RunCache``'s blocks are the same arrays in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 class RunCache:
     """Each run's entries, an int64 [4, n] host array (slot, pred, position, token), kept from one
     sweep to the next while the run holds the same slot tensor, unchanged (same address, no write
@@ -75,12 +80,19 @@ class RunCache:
     def joined(self, runs: list[SweepRun]) -> np.ndarray:
         """The entries of ``runs`` (none empty) as one int64 [4, total] array: the last sweep's
         when its runs gave the same blocks in the same order (nothing writes these arrays)."""
-        blocks = self.entries(runs)
+        return self.concatenated(self.entries(runs))
+
+    def concatenated(self, blocks: list[np.ndarray]) -> np.ndarray:
+        """``blocks`` (this cache's, none empty) as one int64 [4, total] array: the last one made
+        where they are the same blocks in the same order."""
+        if not blocks:
+            self.last = np.zeros((4, 0), dtype=np.int64)
+            return self.last
         if len(blocks) == 1:
             self.last = blocks[0]
             return self.last
         last = self._joined
-        if last is not None and len(last[0]) == len(blocks) and all(map(operator.is_, last[0], blocks)):
+        if last is not None and same_blocks(last[0], blocks):
             self.last = last[1]
             return self.last
         out = np.concatenate(blocks, axis=1)

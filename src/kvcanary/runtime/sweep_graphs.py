@@ -13,7 +13,9 @@ view instead of copying the slots again.
 
 | words (int32)             | what                                                          |
 |---------------------------|---------------------------------------------------------------|
-| ``[0, 5m)``               | slot, pred, position, token, entry (= slot): 5 rows of ``m``  |
+| ``[0, 4m)``               | slot, pred, position, token: 4 rows of ``m`` (entry = slot is |
+|                           | copied on the device)                                         |
+| ``[4m, 5m)``              | unused                                                        |
 | ``[c, c + 2)``, c = 5m rounded up to even | the count, one int64                          |
 
 Entries past the count in a class's rows are left from earlier sweeps: the verify reads only the
@@ -92,7 +94,8 @@ class SweepGraphs:
                     g.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
                         landing[: c + 2].copy_(staging[: c + 2], non_blocking=True)
-                        block[:5, :m].copy_(landing[: 5 * m].view(5, m))
+                        block[:4, :m].copy_(landing[: 4 * m].view(4, m))
+                        block[4, :m].copy_(block[0, :m])  # entry = slot
                         plan.count.copy_(landing[c: c + 2].view(torch.int64))
                         self.held[:m].copy_(block[0, :m])
                         verify()
@@ -114,7 +117,20 @@ class SweepGraphs:
         rows = self._rows[k]
         for i in range(4):
             rows[i, :n] = cols[i]  # cast to int32 as they are written
-        rows[4, :n] = rows[0, :n]
+        self._replay(k, n)
+
+    def load_blocks(self, blocks: Sequence[np.ndarray], n: int) -> None:
+        """``load`` of the concatenation of ``blocks`` (int64 [4, n_i] arrays: slot, pred, position,
+        token; ``n`` entries in all, at most ``capacity``), written into the pinned rows in one
+        copy."""
+        self.check()
+        k = next(i for i, m in enumerate(self.sizes) if n <= m)
+        self.read.synchronize()  # a sweep or more old: long done
+        if blocks:
+            np.concatenate(blocks, axis=1, out=self._rows[k][:4, :n], casting="same_kind")  # cast to int32
+        self._replay(k, n)
+
+    def _replay(self, k: int, n: int) -> None:
         self._counts[k][0] = n
         self._last = k
         self.graphs[k].replay()
