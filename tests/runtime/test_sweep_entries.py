@@ -37,10 +37,12 @@ def _runs(rng: random.Random) -> list[SweepRun]:
     return runs
 
 
-@pytest.mark.parametrize("listed", [0, 1 << 30], ids=["arrays", "lists"])
+@pytest.mark.parametrize("listed,ranged", [(0, 1 << 30), (0, 0), (1 << 30, 0)],
+                         ids=["arrays-ranges", "arrays-repeat", "lists"])
 @pytest.mark.parametrize("seed", range(40))
-def test_entries_match_a_walk_over_the_runs(seed, listed, monkeypatch):
-    monkeypatch.setattr(sweep, "LISTED_ENTRIES", listed)  # new runs built by either path
+def test_entries_match_a_walk_over_the_runs(seed, listed, ranged, monkeypatch):
+    monkeypatch.setattr(sweep, "LISTED_ENTRIES", listed)  # new runs built by any path
+    monkeypatch.setattr(sweep, "RANGED_ENTRIES", ranged)  # positions counted from ranges, or repeated heads
     rng = random.Random(seed)
     runs = _runs(rng)
     cursor, max_entries = rng.randrange(0, 500), rng.choice([0, 1, 7, 64, 10_000])
