@@ -75,6 +75,10 @@ def test_a_cache_gives_the_same_entries_across_sweeps_whatever_changed(seed):
         assert list(zip(slot.tolist(), pred.tolist(), pos.tolist(), tok.tolist(), strict=True)) == want
         assert nxt == want_next
         cursor = nxt
+        blocks = cache.entries(runs)  # empty runs too: skipped (what a whole sweep passes)
+        assert cache.total == sum(b.shape[1] for b in blocks) == sum(r.slots.numel() for r in runs)
+        got = np.concatenate(blocks, axis=1).T.tolist() if blocks else []
+        assert got == [list(e) for e in reference(runs, 0, 1 << 30)[0]]
         for i, r in enumerate(list(runs)):
             change = rng.random()
             if change < 0.2 and r.slots.numel():

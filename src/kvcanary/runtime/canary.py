@@ -725,8 +725,9 @@ class Canary:
         staged from each run's kept entries in one copy into the graphs' pinned rows, or verified
         again where the plan holds those very entries; on the CPU, the compiled verify reads the
         runs' joined arrays. None, with nothing done, where they do not fit."""
-        blocks = self._runs.entries([r for r in runs if r.slots.numel()]) if runs else []
-        n = sum(b.shape[1] for b in blocks)
+        cache = self._runs
+        blocks = cache.entries(runs)
+        n = cache.total
         if n > n_max:
             return None
         if self.cpu is not None:

@@ -76,9 +76,10 @@ class RunCache:
         self._kept: dict[int, tuple] = {}
         self._joined: tuple[list, np.ndarray] | None = None  # the last sweep's blocks and their concatenation
         self.last: np.ndarray | None = None  # what the last ``joined`` returned
+        self.total = 0  # the entries the last ``entries`` returned
 
     def joined(self, runs: list[SweepRun]) -> np.ndarray:
-        """The entries of ``runs`` (none empty) as one int64 [4, total] array: the last sweep's
+        """The entries of ``runs`` as one int64 [4, total] array: the last sweep's
         when its runs gave the same blocks in the same order (nothing writes these arrays)."""
         return self.concatenated(self.entries(runs))
 
@@ -100,32 +101,38 @@ class RunCache:
         self.last = out
         return out
 
-    def entries(self, runs: list[SweepRun]) -> list[np.ndarray]:
-        """The entries of each of ``runs`` (none empty), in order."""
+    def entries(self, runs: Sequence[SweepRun]) -> list[np.ndarray]:
+        """The entries of each of ``runs`` that is not empty, in order; ``total``: how many in all."""
         kept, now = self._kept, {}
-        out: list = [None] * len(runs)
-        missed = []
-        for i, r in enumerate(runs):
+        out: list = []
+        missed = []  # (its place in out, the run, its length)
+        total = 0
+        for r in runs:
             s, toks = r.slots, r.token_ids
             hit = kept.get(id(s))
             if (hit is not None and hit[0] is s and hit[1] == s._version and hit[2] == s.data_ptr()
                     and hit[3] is toks and (toks is None or type(toks) is tuple)
                     and hit[4] == r.start_position and hit[5] == r.prev_slot):
-                out[i] = hit[6]
+                out.append(hit[6])
                 now[id(s)] = hit
-            else:
-                missed.append(i)
+                total += hit[7]
+                continue
+            n = s.numel()
+            if n:
+                missed.append((len(out), r, n))
+                out.append(None)
+                total += n
         if missed:
-            new = [runs[i] for i in missed]
-            lens = [r.slots.numel() for r in new]
-            block = _entries(new, lens, runs)
+            new = [m[1] for m in missed]
+            block = _entries(new, [m[2] for m in missed], runs)
             at = 0
-            for i, r, n in zip(missed, new, lens, strict=True):
+            for i, r, n in missed:
                 out[i] = block[:, at: at + n]
                 at += n
                 now[id(r.slots)] = (r.slots, r.slots._version, r.slots.data_ptr(), r.token_ids, r.start_position,
-                                    r.prev_slot, out[i])
+                                    r.prev_slot, out[i], n)
         self._kept = now
+        self.total = total
         return out
 
 
