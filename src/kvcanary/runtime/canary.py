@@ -472,10 +472,11 @@ class Canary:
             return
         t0 = time.perf_counter()
         bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()  # asked once a HEAD
+        on_side = self._on_side(capturing)
         # the scatter ``prepare_head`` left to this HEAD: in its launch where it runs eagerly on the model's
         # stream; else (another batch's, a side-stream or captured HEAD) launched first, as it would have been
-        fold = (self._scatter_for is b and self.fused and not self._on_side()
-                and not torch.cuda.is_current_stream_capturing())
+        fold = self._scatter_for is b and self.fused and not on_side and not capturing
         if self._scatter_for is not None and not fold:
             self._scatter_pending()
         if self.cpu is not None and self._cpu_check(b, tag, True):
@@ -486,14 +487,14 @@ class Canary:
         if truth is not None and b.truth_starts is not None and self.truth.is_cuda:
             self.join()  # the last TAIL read the table
             self._append_truth(b)
-        if self._on_side():
-            self._launch_head_overlapped(b, tag, truth)
+        if on_side:
+            self._launch_head_overlapped(b, tag, truth, capturing)
             self.totals.seconds += time.perf_counter() - t0
             return
         if self.fused:
             self.join()  # an eager HEAD after a side one (ALWAYS, or an unjoined capture): stream-ordered again
             self._tail_started = False
-            held = self._held_now()
+            held = self._held_now(capturing)
             self._scatter_for = None
             if not self._checked(b, tag, "head", truth is not None, held, scatter=fold):
                 if fold:
@@ -526,12 +527,13 @@ class Canary:
         mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=self._lut(b))
         self.totals.seconds += time.perf_counter() - t0
 
-    def _launch_head_overlapped(self, b: ForwardBatch, tag: int, truth) -> None:
+    def _launch_head_overlapped(self, b: ForwardBatch, tag: int, truth, capturing: bool) -> None:
         """HEAD with ``overlap``: the write marks on the current stream, ahead of the forward's
-        writes; the rest of HEAD (it reads no K/V, the forward reads no record) on the side stream."""
+        writes; the rest of HEAD (it reads no K/V, the forward reads no record) on the side stream.
+        ``capturing``: whether the current stream is capturing."""
         self.join()  # the last TAIL is done: a reused write target never shows it this step's mark
         self._tail_started = False  # a forward that raised never reached its tail
-        lut, held = self._lut(b), self._held_now()
+        lut, held = self._lut(b), self._held_now(capturing)
         with torch.cuda.stream(self._fork()):  # checks every input before it launches anything
             if not self._checked(b, tag, "side_head", truth is not None, held):
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
@@ -617,10 +619,12 @@ class Canary:
                             mode=self.config.real_kv, state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
-    def _held_now(self) -> torch.Tensor | None:
+    def _held_now(self, capturing: bool | None = None) -> torch.Tensor | None:
         """The held slots for this HEAD; none while a CUDA graph is being captured: a replay would
-        check every later step against the slots held at capture time."""
-        if self.held is not None and self.held.is_cuda and torch.cuda.is_current_stream_capturing():
+        check every later step against the slots held at capture time. ``capturing``: whether the
+        current stream is capturing, when the caller asked already."""
+        if self.held is not None and self.held.is_cuda and (
+                torch.cuda.is_current_stream_capturing() if capturing is None else capturing):
             return None
         return self.held
 
