@@ -84,7 +84,11 @@ def _driver():
                 from triton.runtime import driver
 
                 active = driver.active
-                _state["driver"] = (active.get_current_device, active.get_current_stream, knobs.runtime)
+                get_device = active.get_current_device
+                if get_device is torch.cuda.current_device:  # torch's: past its lazy init, its C call alone
+                    get_device()
+                    get_device = torch._C._cuda_getDevice
+                _state["driver"] = (get_device, active.get_current_stream, knobs.runtime)
             except (ImportError, AttributeError, RuntimeError):
                 pass
     return _state["driver"]
@@ -194,8 +198,14 @@ def launch_typed(fn, grid: tuple, tensors: tuple, ints: tuple, variant, constexp
     key = (device, num_warps, variant, tuple(map(_RESIDUE, addresses)))
     typed = cache.get(key)
     small = not ints or (max(ints) <= _I32[1] and min(ints) >= _I32[0])
-    if (typed is not None and small and (fixed is None or (typed.fixed_key is fixed.key and not fixed.moved()))
-            and not getattr(fn, "pre_run_hooks", None) and not _hooked(runtime)):
+    # ``Fixed.moved`` and ``_hooked`` written out: between a model's launches every Python call costs µs
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (typed is not None and small
+            and (fixed is None or (typed.fixed_key is fixed.key
+                                   and list(map(_ADDRESS, fixed.tensors)) == fixed.addresses))
+            and not getattr(fn, "pre_run_hooks", None)
+            and (enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True))):
         g = (*grid, 1, 1)
         kernel = typed.kernel
         kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function, kernel.packed_metadata, None, None, None,

@@ -26,6 +26,7 @@ block (``counter_block()``), so the runtime snapshots all three with a single co
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +105,12 @@ COUNTER_BLOCK_WORDS = 1 + NUM_LAUNCH_TAGS * NUM_STATS + 1  # ring_counter, stats
 
 
 def _layout(tensors) -> tuple:
-    return tuple((t.data_ptr(), t.shape) for t in tensors)
+    """The tensors' addresses, then their shapes (maps, not a generator: ``DeviceState.check`` runs
+    at every bound launch, where each Python frame costs µs)."""
+    return (*map(_ADDRESS, tensors), *map(_SHAPE, tensors))
+
+
+_ADDRESS, _SHAPE = torch.Tensor.data_ptr, operator.attrgetter("shape")
 
 
 @dataclass(frozen=True, eq=False)

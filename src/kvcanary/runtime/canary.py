@@ -306,7 +306,8 @@ class Canary:
             return False
         ids, offsets = (b.truth_ids, b.truth_offsets) if scatter else (None, None)
         return bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids,
-                             b.positions, b.out_cache_loc, tag=tag, truth=truth, lut=self._lut(b), held=held,
+                             b.positions, b.out_cache_loc, tag=tag, truth=truth,
+                             lut=b.slot_lut if self.window else None, held=held,
                              publish=publish, truth_ids=ids, truth_offsets=offsets)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
@@ -471,9 +472,11 @@ class Canary:
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
-        bs, tag = b.batch_size, self.tag(LaunchPoint.HEAD)
+        # the small helpers (``tag``, ``_on_side``, ``_use_truth``, ``_lut``) written out on this path and
+        # TAIL's: an eager forward calls both between its model's launches, where each Python call costs µs
+        bs, tag = b.batch_size, self._tags[LaunchPoint.HEAD]
         capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()  # asked once a HEAD
-        on_side = self._on_side(capturing)
+        on_side = self.side is not None and (self.side_eager or capturing)
         # the scatter ``prepare_head`` left to this HEAD: in its launch where it runs eagerly on the model's
         # stream; else (another batch's, a side-stream or captured HEAD) launched first, as it would have been
         fold = self._scatter_for is b and self.fused and not on_side and not capturing
@@ -483,8 +486,8 @@ class Canary:
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
-        truth, truth_lens = (self.truth, self.truth_lens[:bs]) if self._use_truth(b) else (None, None)
-        if truth is not None and b.truth_starts is not None and self.truth.is_cuda:
+        truth = self.truth if self.config.truth and b.truth_offsets is not None else None
+        if truth is not None and b.truth_starts is not None and truth.is_cuda:
             self.join()  # the last TAIL read the table
             self._append_truth(b)
         if on_side:
@@ -502,12 +505,13 @@ class Canary:
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
-                              truth_lens=truth_lens, sources=self.sources, mode=self.config.real_kv, meta=self.meta,
-                              lut=self._lut(b), window=self.window, marks=self.marks, held=held,
-                              backend=self.backend)
+                              truth_lens=self.truth_lens[:bs] if truth is not None else None, sources=self.sources,
+                              mode=self.config.real_kv, meta=self.meta, lut=self._lut(b), window=self.window,
+                              marks=self.marks, held=held, backend=self.backend)
             self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
+        truth_lens = self.truth_lens[:bs] if truth is not None else None
         build_plan(req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens,
                    req_to_token=b.req_to_token, plan=self.plan, truth=truth, truth_lens=truth_lens,
                    lut=self._lut(b), window=self.window)
@@ -568,7 +572,7 @@ class Canary:
         """TAIL's launch on the current stream; ``capturing``: whether that stream is capturing;
         ``publish``: an eager TAIL on the model's stream publishes the counters from its launch."""
         bs = b.batch_size
-        tag, truth = self.tag(LaunchPoint.TAIL), self._use_truth(b)
+        tag, truth = self._tags[LaunchPoint.TAIL], self.config.truth and b.truth_offsets is not None
         if not self._checked(b, tag, "tail", truth, publish=publish):
             publish = False
             check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
@@ -595,13 +599,13 @@ class Canary:
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
-        tag = self.tag(LaunchPoint.TAIL)
+        tag = self._tags[LaunchPoint.TAIL]
         if self.cpu is not None and self._cpu_check(b, tag, False):
             self._replays = max(self._replays - 1, 0)
             self.totals.seconds += time.perf_counter() - t0
             return
         capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()  # asked once a TAIL
-        if self._tail_started or self._on_side(capturing):
+        if self._tail_started or (self.side is not None and (self.side_eager or capturing)):  # ``_on_side``
             if not self._tail_started:
                 self._fork_tail(b, capturing)
             self._tail_started = False
@@ -1019,7 +1023,7 @@ class Canary:
         self.held = None  # held slots are one step's (a replayed graph never consumed them)
         meta, reporter = self._meta, self.reporter
         meta.step = step
-        if reporter.read_in_place:  # the CPU: counters read where they are, at once, without numpy
+        if not self._on_cuda and reporter.read_in_place:  # the CPU: counters read where they are, without numpy
             report.violations = reporter.read_host(meta)
         else:
             report.violations = reporter.advance(meta, self._replays, self._tail_current)
@@ -1032,7 +1036,11 @@ class Canary:
             report.device_flags = self._read_device_flags()
         elif reporter.flags_read:  # CUDA: read with the counters
             report.device_flags = self._take_device_flags(reporter.flags_read)
-        if report.violations or report.alarms or self.incidents.pending or self._log_due(step):
+        # ``_log_due``, inlined: a clean step makes as few Python calls as it can (between a model's
+        # launches each costs µs: its code is out of the caches)
+        period, every = self.config.stats_period, self.config.incident_summary_steps
+        if (report.violations or report.alarms or self.incidents.pending or (period and step % period == 0)
+                or (every and step % every == 0)):
             self._account(report, upto_step=step - reporter.lag)
         totals.seconds += time.perf_counter() - t0
         if report.device_flags:
@@ -1094,11 +1102,6 @@ class Canary:
         self._report_device_flags(report)
         self._apply_policy(report)
         return report
-
-    def _log_due(self, step: int) -> bool:
-        """Whether ``step`` is due a stats line or an incident summary line (``_account``)."""
-        period, every = self.config.stats_period, self.config.incident_summary_steps
-        return bool(period and step % period == 0) or bool(every and step % every == 0)
 
     def _account(self, report: StepReport, upto_step: int, summary: bool = False) -> None:
         """Totals, incidents and log lines of a report: a WARNING violation line for each

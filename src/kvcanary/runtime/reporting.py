@@ -304,7 +304,11 @@ class Reporter:
         if pub is not None and not self._reset_next and len(pending) == 1 and self.lag == 1:
             old = pending[0]
             if type(old) is _Snapshot and old.seq >= 0:
-                pub.expected += self._published(replays, current)
+                if replays:  # ``_published`` of a step that replayed a graph, without its call
+                    pub.expected += replays + self._unread
+                    self._unread = 0
+                else:
+                    pub.expected += self._published(replays, current)
                 pending[0] = _Snapshot(meta, None, None, None, False, seq=pub.expected)
                 self.flags_read = 0
                 return self._read(old)
@@ -350,7 +354,7 @@ class Reporter:
         """Each launch point's launches in the latest stats read (LaunchPoint order), summed over
         its tags, from one copy of the launch words (no numpy)."""
         launches = self._launch_view.tolist()
-        return [sum(launches[tags]) for tags in self._point_tags]
+        return list(map(sum, map(launches.__getitem__, self._point_tags)))  # no comprehension's frame
 
     @property
     def read_in_place(self) -> bool:
