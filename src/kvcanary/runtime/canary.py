@@ -686,8 +686,9 @@ class Canary:
         return 2 * RECORD_BYTES + 16 + fp
 
     def sweep(self, runs: Sequence[SweepRun], budget_bytes: int | None = None, *, hold: bool = False) -> int:
-        """Verify up to the byte budget of ``runs`` (continuing where the last sweep stopped),
-        fingerprints included. Always launches, even with nothing to sweep. Returns the number
+        """Verify up to the byte budget of ``runs`` (continuing where the last sweep stopped; runs
+        that fit the budget are verified whole, from the first: ``_sweep_whole``), fingerprints
+        included. Always launches, even with nothing to sweep. Returns the number
         of slots queued for checking. ``hold``: also hold every slot of ``runs`` for the next HEAD
         (``hold`` of their concatenation), taken from the entries the sweep built."""
         if type(hold) is not bool:
@@ -739,7 +740,7 @@ class Canary:
         if n > n_max:
             return None
         if self.cpu is not None:
-            every = self._runs.concatenated(blocks)
+            every = cache.concatenated(blocks)
             self._load_sweep_plan(every[0], every[1], every[2], every[3])
             if hold:
                 self._hold_host(every[0])
