@@ -7,13 +7,16 @@ with the same call unwrapped (``engine_phases.py``) to see what a layer costs.
     PYTHONPATH=src python3 benchmarks/engine_call_layers.py --part eager     # HEAD, TAIL, the launch
     PYTHONPATH=src python3 benchmarks/engine_call_layers.py --part sweep
     PYTHONPATH=src python3 benchmarks/engine_call_layers.py --part end_step
+    PYTHONPATH=src python3 benchmarks/engine_call_layers.py --part sweep --device cpu   # the CPU engine
 
 Builds the ``bench_engine.py`` engine, warms it with one run, then times three runs (96 requests
 x 32 new tokens each). ``--part eager`` splits the direct launch (``ops.launcher.launch_typed``)
 into the current device, the key and lookup (``Fixed.moved`` included), the hook checks, the
 current stream and Triton's launcher (``kernel.run``), with a copy of its kept-kernel path; a
 launch that path does not take goes through the real one, untimed. ``--part end_step`` times
-replayed and eager steps apart. Prints calls, median µs and ms a run per part.
+replayed and eager steps apart. Prints calls, median µs and ms a run per part. ``--device cpu``
+runs the CPU engine instead (no graphs: every step is eager, sweeps take the compiled verify, and
+Triton's launcher is not used).
 """
 
 from __future__ import annotations
@@ -97,10 +100,12 @@ def split_launch_typed() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("eager", "sweep", "end_step"), required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("engine_call_layers.py needs CUDA")
-    eng, hooks = be.build("partial", "cuda", be.engine_options(True))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("engine_call_layers.py --device cuda needs CUDA")
+    cuda = args.device == "cuda"
+    eng, hooks = be.build("partial", args.device, be.engine_options(cuda))
     be.run_on("partial", eng, hooks, be.workload(512, 96, seed=1000), 32)
     c = hooks.canary
     if args.part == "eager":
