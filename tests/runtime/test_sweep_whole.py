@@ -93,8 +93,7 @@ def test_a_sweep_that_fits_whole_loads_and_reports_what_the_windowed_sweep_does(
         assert calls[-1] == "load_blocks"
     found = _found(whole, 5)
     assert found == _found(other, 5)
-    assert [(s, point, owners) for s, point, _, owners in found] == [(target, "SWEEP", (("cache", k),))]
-    assert found[0][2] & Reason.VERIFY_TOKEN
+    assert found == [(target, "SWEEP", Reason.VERIFY_TOKEN, (("cache", k),))]
     for c in (whole, other):
         assert c.sweep(runs) == n
     assert _found(whole, 7) == _found(other, 7) == []
