@@ -216,6 +216,11 @@ def test_a_typed_launch_relaunches_its_variants_kernel_and_computes_as_tritons_l
             assert len(keyed) or len(runs) == 1  # kept: the one JITFunction.run is the reference launch
             assert len(keyed) == (seed == 3 and shift != 0)
     assert len(k.typed) == 3
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) in launcher._CONVENTIONS:
+        # the kept kernels launched through their launcher's C call (``_direct``), not ``kernel.run``
+        assert all(t.call is t.kernel.run.launch for t in k.typed.values())
     for shift in (0, 1):  # an int beyond int32: keyed every time, nothing kept for it
         keyed.clear()
         want, got = _typed_scatter(shift, True, 5)

@@ -29,6 +29,10 @@ addresses (the ops validated their devices). Triton's own launch serves instead 
 interpreter (``TRITON_INTERPRET=1``), while launch hooks or pre-run hooks are installed (a
 profiler), for an argument of another type, and where the kernel Triton returns lacks the
 launcher this module calls (then nothing is kept; the arguments are the same either way).
+
+A kept kernel of ``launch_typed`` goes one step further where Triton's ``CudaLauncher`` would only
+forward its arguments (no scratch buffers, no sanitizer; a release whose convention is known):
+its C ``launch`` is called directly, with what ``CudaLauncher.__call__`` would hand it (``_direct``).
 """
 
 from __future__ import annotations
@@ -61,12 +65,59 @@ class _Kernel:
 
 class _Typed:
     """A kept kernel ``launch_typed`` relaunches for one (device, warps, variant, address
-    residues): the fixed arguments' key and values it was kept with, and the constexprs' values."""
+    residues): the fixed arguments' key and values it was kept with, and the constexprs' values.
+    ``call``, ``lead``, ``packed``: the launcher's C call and what it takes ahead of the kernel's
+    own arguments (``_direct``), or None, (), False where ``kernel.run`` serves."""
 
-    __slots__ = ("kernel", "fixed_key", "head", "tail")
+    __slots__ = ("kernel", "fixed_key", "head", "tail", "call", "lead", "packed")
 
     def __init__(self, kernel, fixed_key, head: list, tail: tuple):
         self.kernel, self.fixed_key, self.head, self.tail = kernel, fixed_key, head, tail
+        self.call, self.lead, self.packed = _direct(kernel)
+
+
+# The parameters of ``CudaLauncher.__call__`` (``kernel.run``), and how it hands them to its C
+# ``launch``, by Triton release: "flat" (3.6) passes the kernel's arguments after the scratch
+# buffers, "packed" (3.7-3.9) as one tuple after the annotations and signature.
+_FLAT_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+_PACKED_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+                "launch_enter_hook", "launch_exit_hook", "args")
+_CONVENTIONS = {(3, 6): ("flat", _FLAT_CALL), (3, 7): ("packed", _PACKED_CALL), (3, 8): ("packed", _PACKED_CALL),
+                (3, 9): ("packed", _PACKED_CALL)}
+
+
+def _direct(kernel) -> tuple:
+    """(the C launch, its arguments ahead of the kernel's, whether it takes those as one tuple)
+    of a kept kernel whose launcher is the CUDA backend's ``CudaLauncher`` of a Triton release in
+    ``_CONVENTIONS``, with that release's ``__call__`` parameters, and nothing its ``__call__``
+    would add: no scratch buffers (global, profile) to allocate and no sanitizer. Its ``__call__``
+    then only forwards its arguments, with None for both scratch buffers; between a model's
+    launches the Python of that forwarding (a frame, two closures and their calls) costs several
+    µs a launch. Else (None, (), False): ``kernel.run`` serves, as it always can."""
+    none = (None, (), False)
+    try:
+        import inspect
+
+        import triton
+
+        run = kernel.run
+        cls = type(run)
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+        convention = _CONVENTIONS.get((major, minor))
+        if (convention is None or cls.__name__ != "CudaLauncher" or cls.__module__ != "triton.backends.nvidia.driver"
+                or tuple(inspect.signature(cls.__call__).parameters) != convention[1]
+                or run.global_scratch_size != 0 or run.profile_scratch_size != 0
+                or getattr(run, "gsan_enabled", False)):
+            return none
+        function, coop, pdl = kernel.function, run.launch_cooperative_grid, run.launch_pdl
+        if convention[0] == "flat":  # launch(g, g, g, stream, function, coop, pdl, scratch, scratch, *args)
+            return run.launch, (function, coop, pdl, None, None, kernel.packed_metadata, None, None, None), False
+        # launch(g, g, g, stream, function, coop, pdl, metadata, launch metadata, hooks, scratch, scratch,
+        #        annotations, signature, args)
+        return run.launch, (function, coop, pdl, kernel.packed_metadata, None, None, None, None, None,
+                            run.arg_annotations, run.kernel_signature), True
+    except (AttributeError, ImportError, TypeError, ValueError):
+        return none
 
 
 _kernels: dict[int, _Kernel] = {}
@@ -207,9 +258,15 @@ def launch_typed(fn, grid: tuple, tensors: tuple, ints: tuple, variant, constexp
             and (enter is None or not getattr(enter, "calls", True))
             and (leave is None or not getattr(leave, "calls", True))):
         g = (*grid, 1, 1)
-        kernel = typed.kernel
-        kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
-                   *typed.head, *addresses, *ints, *typed.tail)
+        call = typed.call
+        if call is None:
+            kernel = typed.kernel
+            kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function, kernel.packed_metadata, None, None,
+                       None, *typed.head, *addresses, *ints, *typed.tail)
+        elif typed.packed:  # the launcher's own C call (``_direct``)
+            call(g[0], g[1], g[2], get_stream(device), *typed.lead, (*typed.head, *addresses, *ints, *typed.tail))
+        else:
+            call(g[0], g[1], g[2], get_stream(device), *typed.lead, *typed.head, *addresses, *ints, *typed.tail)
         return
     kernel = launch(fn, grid, tensors + ints, constexprs, num_warps, fixed)
     if kernel is not None and small and all(type(i) is int for i in ints):
