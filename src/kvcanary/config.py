@@ -82,6 +82,9 @@ class CanaryConfig:
             raise ConfigError(f"CanaryConfig.overlap must be an Overlap (or a bool), got {self.overlap!r}")
         if not isinstance(self.policy, Policy):
             raise ConfigError(f"CanaryConfig.policy must be a Policy, got {self.policy!r}")
+        # whether the canary runs (a policy other than OFF): a plain attribute, not a property, since
+        # every canary call a step reads it, where each Python call costs µs between a model's launches
+        object.__setattr__(self, "enabled", self.policy is not Policy.OFF)
         if not isinstance(self.real_kv, FingerprintMode):
             raise ConfigError(f"CanaryConfig.real_kv must be a FingerprintMode, got {self.real_kv!r}")
         if not self.halves or any(not isinstance(h, Half) for h in self.halves):
@@ -97,10 +100,6 @@ class CanaryConfig:
         for name in ("ring_capacity", "plan_capacity", "max_bs", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"CanaryConfig.{name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.policy is not Policy.OFF
 
     @property
     def watchdog_steps(self) -> int:

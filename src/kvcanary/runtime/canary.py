@@ -225,7 +225,7 @@ class Canary:
         words = staging_words(self.sweep_plan.capacity)
         self._staging = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_cuda else None
         self._landing = torch.zeros(words, dtype=torch.int32, device=dev) if on_cuda else None
-        self._staging_read = torch.cuda.Event() if on_cuda else None
+        self._staging_read = torch.Event(device=dev) if on_cuda else None  # recorded on the current stream in C++
         self._sweep_graphs: SweepGraphs | None = None  # the plan's load and verify as graphs (``warmup``)
         self._held_in_plan = False  # ``held`` may be a view of the sweep graphs' words (``_keep_held``)
         # CUDA: the held slots' pinned words, their device words and the event of their last copy (every
@@ -402,7 +402,7 @@ class Canary:
             self.join()  # a HEAD or TAIL left unjoined (a forward that raised) reads the truth table
         if self._scatter_for is not None:  # a forward that raised before its HEAD: its scatter, as it would have run
             self._scatter_pending()
-        use_truth = self._use_truth(b)
+        use_truth = self.config.truth and b.truth_offsets is not None  # ``_use_truth``, without its call
         on_device = use_truth and self.truth.is_cuda
         if on_device:
             self._check_truth_batch(b)
@@ -746,8 +746,11 @@ class Canary:
                 self._hold_host(every[0])
             self._meta.sweep_runs.append(blocks)
             return n
-        self.join()
-        self._keep_held()
+        self._tail_current = False  # ``join`` and ``_keep_held``, called where they have work
+        if self._side_busy:
+            self.join()
+        if self._held_in_plan:
+            self._keep_held()
         graphs, loaded = self._sweep_graphs, self._plan_blocks
         if loaded is not None and same_blocks(loaded, blocks):
             graphs.again()
@@ -799,7 +802,7 @@ class Canary:
         p.count.fill_(n)
         self._verify_sweep_plan()
         if n and on_cuda:
-            self._staging_read.record(torch.cuda.current_stream(self.state.device))
+            self._staging_read.record()
         return n
 
     def _verify_sweep_plan(self) -> None:
@@ -1031,7 +1034,7 @@ class Canary:
         self._meta = StepMeta(step + 1)
         totals = self.totals
         totals.steps += 1
-        report.alarms = self.watchdog.observe_launches(reporter.host_launches())
+        report.alarms = self.watchdog.observe_tags(reporter.host_launches(), reporter.point_tags)
         self._replays, self._tail_current = 0, False
         if not self._on_cuda:
             report.device_flags = self._read_device_flags()

@@ -246,7 +246,8 @@ class Reporter:
         self._latest_words = memoryview(self.latest_stats_view.reshape(-1))
         self._launch_view = self._latest_words[STAT_LAUNCHES::NUM_STATS]
         per = stats.shape[0] // len(LaunchPoint)  # tags per launch point
-        self._point_tags = tuple(slice(per * p, per * (p + 1)) for p in range(len(LaunchPoint)))
+        self.point_tags = tuple(  # each launch point's slice of ``host_launches``
+            slice(per * p, per * (p + 1)) for p in range(len(LaunchPoint)))
         # ``counter | stats | error`` of the snapshot being read, copied here (CUDA): one buffer, reused
         self._read_words = memoryview(np.zeros(2 + stats.numel(), dtype=np.int64))
         self.publication: Publication | None = None  # set by ``start_publishing``
@@ -309,9 +310,11 @@ class Reporter:
                     self._unread = 0
                 else:
                     pub.expected += self._published(replays, current)
-                pending[0] = _Snapshot(meta, None, None, None, False, seq=pub.expected)
                 self.flags_read = 0
-                return self._read(old)
+                seq = pub.expected
+                rows = self._read(old)
+                old.meta, old.reset, old.seq = meta, False, seq  # read: the same object carries this step's
+                return rows
         self.snapshot(meta, replays, current)
         return self.collect()
 
@@ -351,10 +354,9 @@ class Reporter:
         return self._rows(meta, total, False, stats_read=True)
 
     def host_launches(self) -> list[int]:
-        """Each launch point's launches in the latest stats read (LaunchPoint order), summed over
-        its tags, from one copy of the launch words (no numpy)."""
-        launches = self._launch_view.tolist()
-        return list(map(sum, map(launches.__getitem__, self._point_tags)))  # no comprehension's frame
+        """Each tag's launches in the latest stats read (tag order), from one copy of the launch
+        words (no numpy); ``point_tags`` slices it by launch point (``Watchdog.observe_tags``)."""
+        return self._launch_view.tolist()
 
     @property
     def read_in_place(self) -> bool:
@@ -405,8 +407,13 @@ class Reporter:
 
     def _read(self, snap: _Snapshot) -> list[Violation]:
         if snap.seq >= 0:  # a published row (every step where the device publishes): read in place here
-            words = self._read_words
-            self.publication.read_into(snap.seq, words)
+            words, seq, pub = self._read_words, snap.seq, self.publication
+            w, k = pub.words, pub.width
+            base = seq % pub.num_rows * k
+            if w[base] == seq:  # arrived, as at every clean step: copied here, without ``read_into``'s call
+                words[:] = w[base + 1: base + k]
+            if w[base] != seq:  # not yet, or overwritten while copied: its wait and fallback
+                pub.read_into(seq, words)
         else:
             words = self._words(snap)
         if self.is_cuda:  # the error flags: the int32 in the low half of the last word

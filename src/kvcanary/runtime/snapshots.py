@@ -69,8 +69,10 @@ class Publication:
         self.seq = torch.zeros(1, dtype=torch.int64, device=block.device)
         self.rows = torch.zeros(num_rows, 1 + block.shape[0], dtype=torch.int64, pin_memory=True)
         self.view = self.rows.numpy()
-        self._words = memoryview(self.view.reshape(-1))  # read with CPython's indexing: numpy is cold per step
-        self._width = self.view.shape[1]
+        # the rows' words, read with CPython's indexing (numpy is cold per step); row k's sequence word
+        # at ``k * width`` (``Reporter._read`` reads an arrived row itself, then ``read_into``'s wait)
+        self.words = memoryview(self.view.reshape(-1))
+        self.num_rows, self.width = self.view.shape
         self.expected = 0  # sequence number of the last publication the host counted on
         self.fallbacks = 0  # reads that found no row and took the block after a synchronise
         self._publish = BoundPublish(block, self.seq, self.rows)
@@ -98,8 +100,8 @@ class Publication:
         """Copy the block words of publication ``seq`` into ``out`` (int64 words; waits while the
         device has not reached it); after a synchronise, the block as it is then when that
         publication never came."""
-        w, k = self._words, self._width
-        base = seq % self.view.shape[0] * k
+        w, k = self.words, self.width
+        base = seq % self.num_rows * k
         if w[base] != seq:
             self._wait(self.view[seq % self.view.shape[0]], seq)
         if w[base] == seq:

@@ -24,6 +24,7 @@ first ``count``. The plan's ``row`` column stays 0 (nothing else writes this pla
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -69,7 +70,7 @@ class SweepGraphs:
     construction; call it where no capture is under way."""
 
     def __init__(self, plan: Plan, block: torch.Tensor, verify: Callable[[], None], staging: torch.Tensor,
-                 landing: torch.Tensor, read: torch.cuda.Event, check: Callable[[], None]):
+                 landing: torch.Tensor, read: torch.Event, check: Callable[[], None]):
         device = block.device
         self.sizes = class_sizes(plan.capacity)
         if staging.numel() < staging_words(plan.capacity) or landing.numel() < staging.numel():
@@ -112,7 +113,7 @@ class SweepGraphs:
         """Load the plan with ``n`` entries (``cols``: slot, pred, position, token; int64 arrays or
         sequences of n integers, at most ``capacity``) and verify them, on the current stream."""
         self.check()
-        k = next(i for i, m in enumerate(self.sizes) if n <= m)
+        k = bisect.bisect_left(self.sizes, n)  # the smallest class that holds n
         self.read.synchronize()  # a sweep or more old: long done
         rows = self._rows[k]
         for i in range(4):
@@ -124,7 +125,7 @@ class SweepGraphs:
         token; ``n`` entries in all, at most ``capacity``), written into the pinned rows in one
         copy."""
         self.check()
-        k = next(i for i, m in enumerate(self.sizes) if n <= m)
+        k = bisect.bisect_left(self.sizes, n)  # the smallest class that holds n
         self.read.synchronize()  # a sweep or more old: long done
         if blocks:
             np.concatenate(blocks, axis=1, out=self._rows[k][:4, :n], casting="same_kind")  # cast to int32
@@ -134,10 +135,10 @@ class SweepGraphs:
         self._counts[k][0] = n
         self._last = k
         self.graphs[k].replay()
-        self.read.record(torch.cuda.current_stream(self.device))
+        self.read.record()  # on the current stream, in C++
 
     def again(self) -> None:
         """Verify the entries the last ``load`` staged (they are still in the pinned words)."""
         self.check()
         self.graphs[self._last].replay()
-        self.read.record(torch.cuda.current_stream(self.device))
+        self.read.record()  # on the current stream, in C++

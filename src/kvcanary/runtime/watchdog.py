@@ -43,13 +43,16 @@ class Watchdog:
         steps; returns new alarms."""
         col = np.asarray(stats)[:, STAT_LAUNCHES].tolist()  # one conversion; tags 4p..4p+3 are point p's
         per = len(col) // len(_POINTS)
-        return self.observe_launches([sum(col[per * p: per * p + per]) for p in _POINTS], steps)
+        return self.observe_tags(col, tuple(slice(per * p, per * p + per) for p in range(len(_POINTS))), steps)
 
-    def observe_launches(self, launches, steps: int = 1) -> list[WatchdogAlarm]:
-        """``observe`` from each launch point's launch count so far (a sequence in LaunchPoint order)."""
+    def observe_tags(self, by_tag: list[int], points: tuple[slice, ...], steps: int = 1) -> list[WatchdogAlarm]:
+        """``observe`` from each tag's launch count so far (a list in tag order) and each launch
+        point's slice of it (LaunchPoint order); a point's launches are its tags' summed here, in the
+        one call a step makes (between a model's launches each Python call costs µs)."""
         alarms = []
         last, since = self._last, self._since
-        for i, n in enumerate(launches):
+        for i, tags in enumerate(points):
+            n = sum(by_tag[tags])
             if n != last[i]:
                 last[i], since[i], self._seen[i], self._fired[i] = n, 0, True, False
                 continue
