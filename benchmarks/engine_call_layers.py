@@ -12,7 +12,8 @@ with the same call unwrapped (``engine_phases.py``) to see what a layer costs.
 Builds the ``bench_engine.py`` engine, warms it with one run, then times three runs (96 requests
 x 32 new tokens each). ``--part eager`` splits the direct launch (``ops.launcher.launch_typed``)
 into the current device, the key and lookup (``Fixed.moved`` included), the hook checks, the
-current stream and Triton's launcher (``kernel.run``), with a copy of its kept-kernel path; a
+current stream and Triton's launcher (``kernel.run``, or its C call where ``launcher._direct``
+serves), with a copy of its kept-kernel path; a
 launch that path does not take goes through the real one, untimed. ``--part end_step`` times
 replayed and eager steps apart. Prints calls, median µs and ms a run per part. ``--device cpu``
 runs the CPU engine instead (no graphs: every step is eager, sweeps take the compiled verify, and
@@ -82,16 +83,22 @@ def split_launch_typed() -> None:
         if not ok:
             return real(fn, grid, tensors, ints, variant, constexprs, num_warps, fixed, addresses)
         g = (*grid, 1, 1)
-        kernel = typed.kernel
+        kernel, call = typed.kernel, typed.call
         stream = get_stream(device)
         t4 = pc()
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *typed.head, *addresses, *ints, *typed.tail)
+        if call is None:
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *typed.head, *addresses, *ints, *typed.tail)
+        elif typed.packed:  # the launcher's C call (``launcher._direct``)
+            call(g[0], g[1], g[2], stream, *typed.lead, (*typed.head, *addresses, *ints, *typed.tail))
+        else:
+            call(g[0], g[1], g[2], stream, *typed.lead, *typed.head, *addresses, *ints, *typed.tail)
         t5 = pc()
         if timing[0]:
+            run = "launch: kernel.run" if call is None else "launch: the launcher's C call"
             for label, a, b in (("launch: current device", t0, t1), ("launch: key and lookup", t1, t2),
                                 ("launch: hook checks", t2, t3), ("launch: current stream", t3, t4),
-                                ("launch: kernel.run", t4, t5), ("launch: all of the above", t0, t5)):
+                                (run, t4, t5), ("launch: all of the above", t0, t5)):
                 acc[label].append(b - a)
 
     check_module.launch_typed = launch_typed
@@ -162,7 +169,7 @@ def main() -> None:
         r = c.reporter
         parts = [(r, "advance", "Reporter.advance"), (r, "_read", "Reporter._read"),
                  (r, "host_launches", "Reporter.host_launches"),
-                 (c.watchdog, "observe_launches", "Watchdog.observe_launches"),
+                 (c.watchdog, "observe_tags", "Watchdog.observe_tags"),
                  (canary_module, "StepReport", "StepReport()"), (canary_module, "StepMeta", "StepMeta()"),
                  (reporting, "_Snapshot", "_Snapshot()")]
         if r.publication is not None:
