@@ -591,7 +591,8 @@ class _CheckLaunch:
             BLOCK_V=self.block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=self.block_t,
             PUBLISH=False, PUB_W=COUNTER_BLOCK_WORDS, PUB_BLOCK=triton.next_power_of_2(COUNTER_BLOCK_WORDS),
             FENCE=self.cuda, SCATTER=False)
-        self._variants: dict = {}
+        self._variants: dict = {}  # a launch's variant -> its constexprs (``_constexprs``)
+        self._splits: dict = {}  # (bs, max_ctx) -> ``verify_split``'s programs a request
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
                publish: bool = False, truth_ids=None, truth_offsets=None) -> None:
@@ -609,20 +610,26 @@ class _CheckLaunch:
         ``data_ptr()``, where the caller read them; ``publish``: the last program out publishes
         the counter block (``publication``, bound); ``n_tids`` >= 0: HEAD scatters the truth
         histories ``tensors()`` holds (that many tokens) into the truth table first."""
+        # memo lookups and arithmetic written out, not calls: between a model's launches each Python
+        # call costs µs
         n, bs = laid[0], laid[1]
         split = self.split
         if split is None:
-            split = verify_split(bs, laid[3], self.block_v) if self.cuda else 1
+            split = self._splits.get((bs, laid[3]))
+            if split is None:
+                split = self._splits[bs, laid[3]] = verify_split(bs, laid[3], self.block_v) if self.cuda else 1
         n_verify = bs * split
-        grid = 1 + n_verify + (cdiv(n, self.block_t) if self.writers else 0)
+        grid = 1 + n_verify + (-(-n // self.block_t) if self.writers else 0)  # cdiv
         truth_t = tensors[5]  # the truth table, or the page table in its place
         scatter = n_tids >= 0
+        variant = (has_lut, has_truth, held is not None, publish, scatter)
+        constexprs = self._variants.get(variant)
+        if constexprs is None:
+            constexprs = self._constexprs(has_lut, has_truth, publish, scatter)
         launch_typed(_check_kernel, (grid,), tensors,
                      (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
                       held.shape[0] if held is not None else 0, n_tids if scatter else 0),
-                     (has_lut, has_truth, held is not None, publish, scatter),
-                     self._constexprs(has_lut, has_truth, publish, scatter),
-                     num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
+                     variant, constexprs, num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
 
     def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held,
                 truth_ids=None, truth_offsets=None) -> tuple:
@@ -635,10 +642,11 @@ class _CheckLaunch:
                 truth_offsets if truth_offsets is not None else prefix_lens)
 
     def _constexprs(self, has_lut: bool, has_truth: bool, publish: bool = False, scatter: bool = False) -> dict:
-        c = self._variants.get((has_lut, has_truth, publish, scatter))
-        if c is None:
-            c = self._variants[has_lut, has_truth, publish, scatter] = {
-                **self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth, "PUBLISH": publish, "SCATTER": scatter}
+        """The constexprs of a launch with these flags, kept in ``_variants`` under the launch's variant
+        (the flags and whether slots are held, which changes no constexpr: both keys share one dict)."""
+        c = {**self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth, "PUBLISH": publish, "SCATTER": scatter}
+        for held in (False, True):
+            c = self._variants.setdefault((has_lut, has_truth, held, publish, scatter), c)
         return c
 
 
