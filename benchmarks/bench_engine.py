@@ -15,6 +15,12 @@ engine for every run instead (its captures and first calls timed with it), as th
 before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token
 truth as whole histories instead of the default (on CUDA: decode truth as appends,
 ``EngineConfig.truth_appends``).
+
+A repeat's pair ratios spread by several percent on a shared host, so a cost of 2 % needs many
+repeats to resolve: each repeat prints its line as it ends, ``--deadline-s`` starts no repeat
+after that many seconds (the repeats done are reported, so a time limit loses nothing), and the
+summary gives a 95 % interval of the median on/off ratio (a percentile bootstrap over the
+repeats' pairs, seeded).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -123,6 +130,14 @@ def fmt(s: dict, digits: int) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
+def median_interval(xs: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % interval of the median of ``xs``: the 2.5th and 97.5th percentiles of the medians
+    of ``resamples`` resamples with replacement (seeded)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -133,6 +148,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-graph", action="store_true", help="decode steps as CUDA-graph replays (CUDA only)")
     ap.add_argument("--fresh-engines", action="store_true",
                     help="a new engine for every timed run (its captures and first calls timed with it)")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="start no repeat after this many seconds of timed runs (0: run every repeat)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
                     else None)
     args = ap.parse_args(argv)
@@ -146,33 +163,47 @@ def main(argv=None) -> None:
         engines[m] = build(m, args.device, options)
         run_on(m, *engines[m], workload(512, args.requests, seed=1000), args.max_new_tokens)
     runs = []
+    t0 = time.perf_counter()
+    repeats = 0
     for k in range(args.repeats):  # each repeat runs every mode once, in an order rotated by one each repeat
+        if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
+            print(f"deadline: {k} of {args.repeats} repeats run in {args.deadline_s:g} s", flush=True)
+            break
         order = modes[k % len(modes):] + modes[: k % len(modes)]
         prompts = workload(512, args.requests, seed=k)
+        done = {}
         for m in order:
             engine, hooks = build(m, args.device, options) if args.fresh_engines else engines[m]
-            runs.append(dict(run_on(m, engine, hooks, prompts, args.max_new_tokens), repeat=k))
+            done[m] = run_on(m, engine, hooks, prompts, args.max_new_tokens)
+            runs.append(dict(done[m], repeat=k))
+        repeats = k + 1
+        off = done["off"]["tok_per_s"]
+        print(f"repeat {k}: " + ", ".join(f"{m} {done[m]['tok_per_s']:.1f} tok/s ({done[m]['tok_per_s'] / off:.3f})"
+                                          for m in modes), flush=True)
     env = environment(torch.device(args.device))
     print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
-          f"{args.repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
+          f"{repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
           f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair")
-    print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'canary share':>22} {'violations':>10}")
+    print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
     summary = []
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
         tps = spread([r["tok_per_s"] for r in rs])
-        ratio = spread([r["tok_per_s"] / off_of[r["repeat"]] for r in rs])
+        ratios = [r["tok_per_s"] / off_of[r["repeat"]] for r in rs]
+        ratio, interval = spread(ratios), median_interval(ratios)
         share = spread([r["canary_seconds"] / r["seconds"] for r in rs])
         viol = sum(r["violations"] for r in rs)
         summary.append({"mode": m, "tok_per_s": tps["median"], "ratio": ratio["median"],
                         "canary_share": share["median"], "tok_per_s_spread": tps, "ratio_spread": ratio,
+                        "ratio_median_interval": interval,
                         "canary_share_spread": share, "violations": viol})
-        print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {fmt(share, 3):>22} {viol:10d}")
+        band = f"{interval[0]:.3f}-{interval[1]:.3f}"
+        print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph,
+            json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph, "repeats": repeats,
                        "fresh_engines": args.fresh_engines, "runs": runs,
                        "summary": summary}, f, indent=1)
 
