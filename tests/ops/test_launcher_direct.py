@@ -89,14 +89,17 @@ def test_a_launcher_with_more_to_do_is_left_to_its_call():
 
 
 def test_a_release_whose_convention_is_not_known_is_left_to_its_call(monkeypatch):
+    import inspect
+
     import triton
 
     monkeypatch.setattr(triton, "__version__", "9.1.0")
     assert launcher._direct(_Kernel(_launcher([]))) == (None, (), False)
-    monkeypatch.setattr(triton, "__version__", "3.6.0")  # a known release whose convention is not this one's
-    if tuple(launcher._CONVENTIONS[(3, 6)][1]) != tuple(__import__("inspect").signature(
-            driver.CudaLauncher.__call__).parameters):
-        assert launcher._direct(_Kernel(_launcher([]))) == (None, (), False)
+    installed = tuple(inspect.signature(driver.CudaLauncher.__call__).parameters)
+    for release, (_, parameters) in launcher._CONVENTIONS.items():  # a release named whose parameters differ
+        if parameters != installed:
+            monkeypatch.setattr(triton, "__version__", f"{release[0]}.{release[1]}.0")
+            assert launcher._direct(_Kernel(_launcher([]))) == (None, (), False), release
 
 
 class _NoHooks:
