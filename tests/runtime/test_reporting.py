@@ -151,3 +151,61 @@ def test_a_snapshot_counts_every_publication_and_launches_one_only_where_none_is
         launched = not replays and not (current and tails)
         assert pub.launches == (step + 1) * launched
         assert pub.expected == pub.seq
+
+
+class _HostPublication:
+    """``runtime.snapshots.Publication``'s ring on the host: ``launch`` publishes the counter block
+    as the device would (``[seq, block...]`` into row ``seq % rows``); ``read_into``, the reader's
+    wait and fallback, only counts (a clean run never needs it)."""
+
+    def __init__(self, block: torch.Tensor, num_rows: int = 4):
+        import numpy as np
+
+        self.block, self.seq, self.expected, self.waits = block, 0, 0, 0
+        self.view = np.full((num_rows, 1 + block.numel()), -1, dtype=np.int64)
+        self.words = memoryview(self.view.reshape(-1))
+        self.num_rows, self.width = self.view.shape
+
+    def launch(self) -> None:
+        self.seq += 1
+        self.view[self.seq % self.num_rows] = [self.seq, *self.block.tolist()]
+
+    def read_into(self, seq: int, out) -> None:
+        self.waits += 1
+        out[:] = self.words[seq % self.num_rows * self.width + 1: (seq % self.num_rows + 1) * self.width]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_published_step_is_read_a_step_late_under_its_own_step(seed):
+    """The replayed steps' clean path (``Reporter.advance`` reusing the snapshot it reads, the
+    publication read in place): every violation row a step appends is handed out at the next
+    step, named with the step that appended it, once; nothing is read through the wait."""
+    import random
+
+    from kvcanary.core.record import COL_REASONS, COL_SLOT, COL_STORED_POSITION, COL_TAG
+    from kvcanary.ops.state import DeviceState
+    from kvcanary.runtime.reporting import Reporter
+
+    rng = random.Random(seed)
+    state = DeviceState.allocate(64)
+    state.ring.zero_()
+    reporter = Reporter(state.ring, state.ring_counter, state.stats, error=state.error, block=state.counter_block())
+    reporter.lag = 1  # a CUDA reporter's lag, on host buffers
+    pub = reporter.publication = _HostPublication(state.counter_block())
+    appended: dict[int, list[int]] = {}
+    got: dict[int, list[int]] = {}
+    for step in range(24):
+        slots = [rng.randrange(1, 64) for _ in range(rng.choice((0, 0, 1, 3)))]  # the "device" appends rows
+        for slot in slots:
+            row = state.ring[int(state.ring_counter[0])]
+            row[COL_TAG], row[COL_SLOT], row[COL_STORED_POSITION] = LaunchTag(LaunchPoint.TAIL).value, slot, step
+            row[COL_REASONS] = int(Reason.CHAIN)
+            state.ring_counter[0] += 1
+        appended[step] = slots
+        pub.launch()  # the step's graph publishes its counters
+        for v in reporter.advance(StepMeta(step), replays=1):
+            got.setdefault(v.step, []).append(v.slot)
+            assert v.position == v.step  # the row's own step, the one its snapshot named
+        assert all(got.get(s, []) == appended[s] for s in range(step))  # a step late, each row once
+        assert step not in got
+    assert pub.waits == 0 and pub.expected == pub.seq
