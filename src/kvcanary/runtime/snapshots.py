@@ -103,7 +103,7 @@ class Publication:
         w, k = self.words, self.width
         base = seq % self.num_rows * k
         if w[base] != seq:
-            self._wait(self.view[seq % self.view.shape[0]], seq)
+            self._wait(self.view[seq % self.num_rows], seq)
         if w[base] == seq:
             out[:] = w[base + 1: base + k]
             if w[base] == seq:  # not overwritten while copied
