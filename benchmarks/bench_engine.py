@@ -1,7 +1,7 @@
 """Reference engine throughput with the canary on vs off, interleaved runs of one workload.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH] [--cuda-graph]
-                                      [--fresh-engines]
+                                      [--fresh-engines | --lockstep]
 
 One engine per mode (canary off, then each canary mode, log policy) is built once and warmed up
 with a run of the timed workload's size (every kernel variant compiled, every decode size's graph
@@ -15,6 +15,12 @@ engine for every run instead (its captures and first calls timed with it), as th
 before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token
 truth as whole histories instead of the default (on CUDA: decode truth as appends,
 ``EngineConfig.truth_appends``).
+
+``--lockstep`` runs each repeat's workload on every engine at once, a step of each in turn
+(``run_lockstep``): whole runs one after another see the host drift by several percent between
+them, while steps a few milliseconds apart see the same host. Each step is timed from an idle
+device to its own work's end, so no engine's work lands in another's time (the canary's work left
+in flight by a step is charged to that step).
 
 A repeat's pair ratios spread by several percent on a shared host, so a cost of 2 % needs many
 repeats to resolve: each repeat prints its line as it ends, ``--deadline-s`` starts no repeat
@@ -105,6 +111,90 @@ def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:
             "canary_seconds": totals.seconds - seconds0 if totals is not None else 0.0}
 
 
+def run_lockstep(engines: dict, prompts, max_new: int) -> dict:
+    """One timed run of ``prompts`` on every built engine at once, step by step: each round of
+    steps runs one step of every engine with work left, in an order rotated by one each round,
+    the device idle before each step and synchronized at its end (inside its time), so every
+    engine's steps are timed under the same host and device conditions, a few milliseconds apart.
+    Returns ``run_on``'s dict by mode, the seconds being the sum of that engine's step times, with
+    the steps split by kind: ``replayed_s``/``replayed`` (decode replayed from a graph; on CUDA
+    also ``graph_device_s``, the replays' own device time, between CUDA events around each) and
+    ``eager_s``/``eager``, and the canary's own time in each kind (``replayed_canary_s``,
+    ``eager_canary_s``)."""
+    modes = list(engines)
+    cuda = next(iter(engines.values()))[0].config.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    start, ids = {}, {}
+    acc = {m: {"seconds": 0.0, "replayed_s": 0.0, "replayed": 0, "eager_s": 0.0, "eager": 0, "graph_device_s": 0.0,
+               "replayed_canary_s": 0.0, "eager_canary_s": 0.0} for m in modes}
+    marks: list = []  # the current step's (start, end) events around its graph replay
+    for m, (engine, hooks) in engines.items():
+        totals = hooks.canary.totals if hooks is not None else None
+        start[m] = ((totals.seconds, totals.violations) if totals is not None else (0.0, 0), engine.stats.num_steps)
+        ids[m] = [engine.add_request(p, max_new) for p in prompts]
+        if cuda and engine.graphs is not None:
+            engine.graphs.replay = timed_replay(engine.graphs.replay, marks)
+    gc.collect()
+    k = 0
+    try:
+        while True:
+            order = modes[k % len(modes):] + modes[: k % len(modes)]
+            live = [m for m in order if engines[m][0].has_unfinished]
+            if not live:
+                break
+            for m in live:
+                (engine, hooks), a = engines[m], acc[m]
+                totals = hooks.canary.totals if hooks is not None else None
+                c0 = totals.seconds if totals is not None else 0.0
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                dt = time.perf_counter() - t0
+                a["seconds"] += dt
+                kind = "replayed" if engine.replaying else "eager"
+                a[kind + "_s"] += dt
+                a[kind] += 1
+                a[kind + "_canary_s"] += totals.seconds - c0 if totals is not None else 0.0
+                for e0, e1 in marks:
+                    a["graph_device_s"] += e0.elapsed_time(e1) / 1e3
+                marks.clear()
+            k += 1
+    finally:
+        for engine, _ in engines.values():
+            if cuda and engine.graphs is not None:
+                del engine.graphs.replay  # the class's own method again
+    out = {}
+    for m, (engine, hooks) in engines.items():
+        if hooks is not None:
+            sync()
+            t0 = time.perf_counter()
+            hooks.canary.flush(engine.step_index)
+            sync()
+            acc[m]["seconds"] += time.perf_counter() - t0
+        totals = hooks.canary.totals if hooks is not None else None
+        (canary0, violations0), steps0 = start[m]
+        tokens = sum(len(engine.output_ids(i)) for i in ids[m])
+        out[m] = {"mode": m, **acc[m], "tokens": tokens, "tok_per_s": tokens / acc[m]["seconds"],
+                  "steps": engine.stats.num_steps - steps0,
+                  "violations": totals.violations - violations0 if totals is not None else 0,
+                  "canary_seconds": totals.seconds - canary0 if totals is not None else 0.0}
+    return out
+
+
+def timed_replay(replay, marks: list):
+    """``replay`` (a ``DecodeGraphs.replay``) with a CUDA event recorded on the current stream
+    just before and just after it, appended to ``marks`` as a pair."""
+    def f(batch):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = replay(batch)
+        e1.record()
+        marks.append((e0, e1))
+        return out
+    return f
+
+
 def run_once(mode: str, device: str, prompts, max_new: int, options: dict) -> dict:
     """One run on a new engine (its graph captures and first calls timed with it)."""
     return run_on(mode, *build(mode, device, options), prompts, max_new)
@@ -138,6 +228,33 @@ def median_interval(xs: list[float], resamples: int = 2000, seed: int = 0) -> tu
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def by_kind(runs: list[dict], modes: list[str]) -> None:
+    """Print, per mode and step kind, the median over repeats of the mean µs a step, its
+    difference from the canary-off engine's (the median of the repeats' differences), the canary's
+    own µs a step in it, and (replayed steps) the graph replays' device µs and its difference."""
+    off = {r["repeat"]: r for r in runs if r["mode"] == "off"}
+    med = statistics.median
+
+    def per(r, key, kind):
+        return 1e6 * r[key] / max(r[kind], 1)
+
+    print(f"{'mode':8} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} "
+          f"{'device µs':>10} {'- off':>8}")
+    for m in modes:
+        rs = [r for r in runs if r["mode"] == m]
+        for kind in ("replayed", "eager"):
+            step = med(per(r, kind + "_s", kind) for r in rs)
+            more = med(per(r, kind + "_s", kind) - per(off[r["repeat"]], kind + "_s", kind) for r in rs)
+            canary = med(per(r, kind + "_canary_s", kind) for r in rs)
+            device = more_device = float("nan")
+            if kind == "replayed":
+                device = med(per(r, "graph_device_s", kind) for r in rs)
+                more_device = med(per(r, "graph_device_s", kind) - per(off[r["repeat"]], "graph_device_s", kind)
+                                  for r in rs)
+            print(f"{m:8} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {device:10.1f} "
+                  f"{more_device:8.1f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -148,6 +265,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-graph", action="store_true", help="decode steps as CUDA-graph replays (CUDA only)")
     ap.add_argument("--fresh-engines", action="store_true",
                     help="a new engine for every timed run (its captures and first calls timed with it)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="each repeat runs the engines step by step, interleaved (run_lockstep), not one after "
+                         "another")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no repeat after this many seconds of timed runs (0: run every repeat)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
@@ -157,6 +277,8 @@ def main(argv=None) -> None:
         sys.exit(f"--deadline-s must be >= 0 (0: no deadline), got {args.deadline_s}")
     if args.repeats < 1:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.lockstep and args.fresh_engines:
+        sys.exit("--lockstep runs warmed engines side by side; it does not take --fresh-engines")
     if args.cuda_graph and args.device != "cuda":
         sys.exit(f"--cuda-graph needs --device cuda, got --device {args.device}")
     options = engine_options(args.cuda_graph)
@@ -176,9 +298,12 @@ def main(argv=None) -> None:
         order = modes[k % len(modes):] + modes[: k % len(modes)]
         prompts = workload(512, args.requests, seed=k)
         done = {}
+        if args.lockstep:
+            done = run_lockstep({m: engines[m] for m in order}, prompts, args.max_new_tokens)
         for m in order:
-            engine, hooks = build(m, args.device, options) if args.fresh_engines else engines[m]
-            done[m] = run_on(m, engine, hooks, prompts, args.max_new_tokens)
+            if not args.lockstep:
+                engine, hooks = build(m, args.device, options) if args.fresh_engines else engines[m]
+                done[m] = run_on(m, engine, hooks, prompts, args.max_new_tokens)
             runs.append(dict(done[m], repeat=k))
         repeats = k + 1
         off = done["off"]["tok_per_s"]
@@ -187,7 +312,8 @@ def main(argv=None) -> None:
     env = environment(torch.device(args.device))
     print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
           f"{repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
-          f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}; "
+          f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}"
+          f"{', the engines stepped in lockstep' if args.lockstep else ''}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair")
     print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
@@ -205,9 +331,12 @@ def main(argv=None) -> None:
                         "canary_share_spread": share, "violations": viol})
         band = f"{interval[0]:.3f}-{interval[1]:.3f}"
         print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
+    if args.lockstep:
+        by_kind(runs, modes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "environment": env, "cuda_graph": args.cuda_graph, "repeats": repeats,
+                       "lockstep": args.lockstep,
                        "fresh_engines": args.fresh_engines, "runs": runs,
                        "summary": summary}, f, indent=1)
 
