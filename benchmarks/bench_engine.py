@@ -16,9 +16,11 @@ before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands ev
 truth as whole histories instead of the default (on CUDA: decode truth as appends,
 ``EngineConfig.truth_appends``).
 
-``--lockstep`` runs each repeat's workload on every engine at once, a step of each in turn
-(``run_lockstep``): whole runs one after another see the host drift by several percent between
-them, while steps a few milliseconds apart see the same host. Each step is timed from an idle
+``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
+of each in turn (``run_lockstep``): whole runs one after another see the host drift by several
+percent between them, while steps a few milliseconds apart see the same host. (Each engine's
+first step of a turn finds the caches holding another engine's work; more steps a turn bound
+that effect.) Each step is timed from an idle
 device to its own work's end, so no engine's work lands in another's time (the canary's work left
 in flight by a step is charged to that step).
 
@@ -111,9 +113,9 @@ def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:
             "canary_seconds": totals.seconds - seconds0 if totals is not None else 0.0}
 
 
-def run_lockstep(engines: dict, prompts, max_new: int) -> dict:
+def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
     """One timed run of ``prompts`` on every built engine at once, step by step: each round of
-    steps runs one step of every engine with work left, in an order rotated by one each round,
+    steps runs ``turn`` steps of every engine with work left, in an order rotated by one each round,
     the device idle before each step and synchronized at its end (inside its time), so every
     engine's steps are timed under the same host and device conditions, a few milliseconds apart.
     Returns ``run_on``'s dict by mode, the seconds being the sum of that engine's step times, with
@@ -142,8 +144,10 @@ def run_lockstep(engines: dict, prompts, max_new: int) -> dict:
             live = [m for m in order if engines[m][0].has_unfinished]
             if not live:
                 break
-            for m in live:
+            for m in [m for m in live for _ in range(turn)]:
                 (engine, hooks), a = engines[m], acc[m]
+                if not engine.has_unfinished:
+                    continue
                 totals = hooks.canary.totals if hooks is not None else None
                 c0 = totals.seconds if totals is not None else 0.0
                 sync()
@@ -265,9 +269,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-graph", action="store_true", help="decode steps as CUDA-graph replays (CUDA only)")
     ap.add_argument("--fresh-engines", action="store_true",
                     help="a new engine for every timed run (its captures and first calls timed with it)")
-    ap.add_argument("--lockstep", action="store_true",
-                    help="each repeat runs the engines step by step, interleaved (run_lockstep), not one after "
-                         "another")
+    ap.add_argument("--lockstep", type=int, nargs="?", const=1, default=0, metavar="STEPS",
+                    help="each repeat runs the engines side by side, STEPS steps of each in turn (default 1; "
+                         "run_lockstep), not one after another")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no repeat after this many seconds of timed runs (0: run every repeat)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_engine.json") if "OUT" in os.environ
@@ -277,6 +281,8 @@ def main(argv=None) -> None:
         sys.exit(f"--deadline-s must be >= 0 (0: no deadline), got {args.deadline_s}")
     if args.repeats < 1:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.lockstep < 0:
+        sys.exit(f"--lockstep takes a number of steps >= 1, got {args.lockstep}")
     if args.lockstep and args.fresh_engines:
         sys.exit("--lockstep runs warmed engines side by side; it does not take --fresh-engines")
     if args.cuda_graph and args.device != "cuda":
@@ -299,7 +305,7 @@ def main(argv=None) -> None:
         prompts = workload(512, args.requests, seed=k)
         done = {}
         if args.lockstep:
-            done = run_lockstep({m: engines[m] for m in order}, prompts, args.max_new_tokens)
+            done = run_lockstep({m: engines[m] for m in order}, prompts, args.max_new_tokens, args.lockstep)
         for m in order:
             if not args.lockstep:
                 engine, hooks = build(m, args.device, options) if args.fresh_engines else engines[m]
@@ -313,7 +319,7 @@ def main(argv=None) -> None:
     print(f"device {env['device_name']}; {args.requests} requests x {args.max_new_tokens} new tokens; "
           f"{repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
           f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}"
-          f"{', the engines stepped in lockstep' if args.lockstep else ''}; "
+          f"{f', the engines stepped in turn, {args.lockstep} steps a turn' if args.lockstep else ''}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair")
     print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}

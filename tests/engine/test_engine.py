@@ -109,6 +109,57 @@ def test_prefix_cache_slots_describe_idle_cached_runs():
             assert position_of[run.prev_slot] == run.start_position - 1
 
 
+def fresh_runs(engine) -> list[tuple]:
+    """The idle cached runs made from the tree as it is now, nothing kept."""
+    root, out = engine.tree.root, []
+    for node in engine.tree.nodes():
+        if node.slots is None or node.lock_count:
+            continue
+        prev = int(node.parent.slots[-1]) if node.parent is not root else -1
+        out.append((node.slots.tolist(), tuple(node.key), node.start, prev))
+    return out
+
+
+@pytest.mark.parametrize("seed", [31, 32, 33])
+def test_prefix_cache_slots_kept_runs_match_fresh_ones(seed):
+    """The runs kept on the nodes between calls equal runs made afresh at every step, through
+    splits (prompts that diverge inside a cached node), evictions (a small pool with a host tier),
+    and in-place writes to a node's or its parent's slots; a node that did not change hands back
+    the very run it kept."""
+    gen = torch.Generator().manual_seed(seed)
+    engine = make_engine(page_size=2, chunk_size=16, num_slots=64, host_tier_slots=64)
+    base = torch.randint(0, 256, (24,), generator=gen).tolist()
+    pending = []
+    for _ in range(14):  # prefixes of the same base, cut at random points: nodes split where they diverge
+        cut = int(torch.randint(2, 24, (1,), generator=gen))
+        pending.append(base[:cut] + torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=gen)),),
+                                                  generator=gen).tolist())
+    steps = kept = written = 0
+    while pending or engine.has_unfinished:
+        if pending and int(torch.randint(0, 3, (1,), generator=gen)) == 0:
+            engine.add_request(pending.pop(), int(torch.randint(1, 6, (1,), generator=gen)))
+        if engine.has_unfinished:
+            engine.step()
+        first = engine.prefix_cache_slots()
+        assert [(r.slots.tolist(), tuple(r.token_ids), r.start_position, r.prev_slot) for r in first] == \
+            fresh_runs(engine)
+        again = engine.prefix_cache_slots()
+        assert all(a is b for a, b in zip(first, again, strict=True))  # nothing changed: the kept runs
+        kept += len(again)
+        idle = [n for n in engine.tree.nodes() if n.slots is not None and not n.lock_count
+                and n.parent is not engine.tree.root and n.parent.slots is not None]
+        if idle and steps % 3 == 0:  # a parent's last slot written in place: its child's predecessor moves
+            node = idle[int(torch.randint(0, len(idle), (1,), generator=gen))]
+            node.parent.slots[-1] = node.parent.slots[-1].item() ^ 1
+            runs = engine.prefix_cache_slots()
+            assert [(r.slots.tolist(), tuple(r.token_ids), r.start_position, r.prev_slot) for r in runs] == \
+                fresh_runs(engine)
+            node.parent.slots[-1] = node.parent.slots[-1].item() ^ 1
+            written += 1
+        steps += 1
+    assert kept > 0 and written > 0
+
+
 def test_recompute_quarantines_and_reprefills():
     prompts = random_prompts(seed=25, num=3, min_len=10, max_len=20)
     expected = make_engine().generate(prompts, 8)

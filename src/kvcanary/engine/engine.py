@@ -266,12 +266,29 @@ class Engine:
         idle cached slots takes."""
         if self.tree is None:
             return []
-        runs = []
-        for node in self.tree.nodes():
-            if node.is_on_host or node.lock_count:
+        root = self.tree.root
+        runs, stack = [], list(root.children.values())
+        while stack:  # ``RadixCache.nodes`` written out: parents before children
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            if node.slots is None or node.lock_count:  # on the host, or read by a running request
                 continue
-            prev = int(node.parent.slots[-1]) if node.parent is not self.tree.root else -1
-            runs.append(SweepRun(node.slots, node.key, node.start, prev))  # the node's own tuple: kept by a sweep
+            # a node's run kept on it while it and its parent keep the same slot tensors unwritten, key and
+            # start (a split, a revival or an in-place write makes it again): the tensor read of the
+            # predecessor slot is most of what a run costs to make
+            slots, parent = node.slots, node.parent
+            above = parent.slots if parent is not root else None  # a split gives the node a new parent and slots
+            kept = node.sweep_run
+            if (kept is not None and kept[0] is slots and kept[1] == slots._version and kept[2] is above
+                    and (above is None or kept[3] == above._version)
+                    and kept[4].token_ids is node.key and kept[4].start_position == node.start):
+                runs.append(kept[4])
+                continue
+            prev = int(above[-1]) if above is not None else -1
+            run = SweepRun(slots, node.key, node.start, prev)  # the node's own tuple: kept by a sweep
+            node.sweep_run = (slots, slots._version, above, above._version if above is not None else 0, run)
+            runs.append(run)
         return runs
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],

@@ -43,6 +43,7 @@ class RadixNode:
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_count = 0
         self.last_access = 0
+        self.sweep_run: tuple | None = None  # ``Engine.prefix_cache_slots``' run of this node, and what it was made of
 
     @property
     def is_on_host(self) -> bool:
