@@ -167,7 +167,7 @@ def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
     finally:
         for engine, _ in engines.values():
             if cuda and engine.graphs is not None:
-                del engine.graphs.replay  # the class's own method again
+                vars(engine.graphs).pop("replay", None)  # the class's own method again
     out = {}
     for m, (engine, hooks) in engines.items():
         if hooks is not None:
