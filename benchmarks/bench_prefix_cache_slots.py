@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+
 from bench_engine import build, engine_options, workload
 
 
