@@ -281,11 +281,11 @@ class Engine:
             above = parent.slots if parent is not root else None  # a split gives the node a new parent and slots
             kept = node.sweep_run
             if (kept is not None and kept[0] is slots and kept[1] == slots._version and kept[2] is above
-                    and (above is None or kept[3] == above._version)
+                    and (parent is root or kept[3] == above._version)
                     and kept[4].token_ids is node.key and kept[4].start_position == node.start):
                 runs.append(kept[4])
                 continue
-            prev = int(above[-1]) if above is not None else -1
+            prev = int(above[-1]) if parent is not root else -1  # a device node's parent is on the device
             run = SweepRun(slots, node.key, node.start, prev)  # the node's own tuple: kept by a sweep
             node.sweep_run = (slots, slots._version, above, above._version if above is not None else 0, run)
             runs.append(run)
