@@ -1,7 +1,7 @@
 """Reference engine throughput with the canary on vs off, interleaved runs of one workload.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--repeats 3] [--json PATH] [--cuda-graph]
-                                      [--fresh-engines | --lockstep]
+                                      [--fresh-engines | --lockstep [STEPS]]
 
 One engine per mode (canary off, then each canary mode, log policy) is built once and warmed up
 with a run of the timed workload's size (every kernel variant compiled, every decode size's graph
@@ -18,11 +18,10 @@ truth as whole histories instead of the default (on CUDA: decode truth as append
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
 of each in turn (``run_lockstep``): whole runs one after another see the host drift by several
-percent between them, while steps a few milliseconds apart see the same host. (Each engine's
-first step of a turn finds the caches holding another engine's work; more steps a turn bound
-that effect.) Each step is timed from an idle
-device to its own work's end, so no engine's work lands in another's time (the canary's work left
-in flight by a step is charged to that step).
+percent between them, while steps a few milliseconds apart see the same host. Each step is timed
+from an idle device to its own work's end, so no engine's work lands in another's time (the
+canary's work left in flight by a step is charged to that step). Each engine's first step of a
+turn finds the caches holding another engine's work; more steps a turn bound that effect.
 
 A repeat's pair ratios spread by several percent on a shared host, so a cost of 2 % needs many
 repeats to resolve: each repeat prints its line as it ends, ``--deadline-s`` starts no repeat
