@@ -87,6 +87,7 @@ class CanaryHooks(EngineHooks):
         self.window_canary: Canary | None = None  # the sliding-window pool's, if the model has one
         self.tail_layer: int | None = None  # the layer after whose attention TAIL starts (``layer_done``)
         self.step = 0
+        self._sweep_every = config.sweep_interval if config.enabled else 0  # steps between sweeps (0: none)
         self.reports: list[StepReport] = []
         self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
 
@@ -126,29 +127,37 @@ class CanaryHooks(EngineHooks):
         self._window_batches = (batch, wb)
         return wb
 
+    # The per-step hooks call each canary by name, not through ``_canaries``' list, and ask
+    # ``sweep_due`` and ``_handle`` only where they have work: an engine calls them between its
+    # model's launches, where each Python call costs µs (its code is out of the caches).
+
     def before_forward(self, batch: ForwardBatch) -> None:
-        if self.canary.sweep_due(self.step):
+        canary, window = self.canary, self.window_canary
+        if self._sweep_every and self.step % self._sweep_every == 0:  # ``Canary.sweep_due``, written out
             runs = self.engine.prefix_cache_slots()  # SweepRuns already, each node's own slots and key
             # and held for this step's HEAD: no write may land in an idle cached slot
-            self.canary.sweep(runs, hold=True)
-            if self.window_canary is not None:
+            canary.sweep(runs, hold=True)
+            if window is not None:
                 wruns = window_runs(runs, self.engine.pool.window.translate(torch.arange(self.engine.config.num_slots)))
-                self.window_canary.sweep(wruns, hold=True)
+                window.sweep(wruns, hold=True)
         eager = not self.engine.replaying  # an eager forward's HEAD takes its truth scatter into its launch
-        for canary, b in self._canaries(batch):
-            canary.prepare_head(b, eager=eager)
+        canary.prepare_head(batch, eager)
+        if window is not None:
+            window.prepare_head(self._window_batch(batch), eager)
 
     def forward_prologue(self, batch: ForwardBatch) -> None:
-        for canary, b in self._canaries(batch):
-            canary.launch_head(b)
+        self.canary.launch_head(batch)
+        if self.window_canary is not None:
+            self.window_canary.launch_head(self._window_batch(batch))
 
     def layer_done(self, batch: ForwardBatch, layer: int) -> None:
         if layer == self.tail_layer:
             self.canary.start_tail(batch)
 
     def forward_epilogue(self, batch: ForwardBatch) -> None:
-        for canary, b in self._canaries(batch):
-            canary.tail(b)
+        self.canary.tail(batch)
+        if self.window_canary is not None:
+            self.window_canary.tail(self._window_batch(batch))
 
     def _canaries(self, batch: ForwardBatch) -> list[tuple[Canary, ForwardBatch]]:
         """Each canary with the batch as its pool sees it."""
@@ -160,7 +169,8 @@ class CanaryHooks(EngineHooks):
         report = self.canary.end_step(self.step)
         if self.window_canary is not None:
             report = self._merge_window(report, self.window_canary.end_step(self.step))
-        self._handle(report)
+        if report.violations or report.alarms or report.recovery is not None:  # a clean step: nothing to handle
+            self._handle(report)
 
     def _handle(self, report: StepReport, keep: bool = True) -> None:
         """Keep (``keep``) a report that found something; under recompute, redo what its recovery
