@@ -1,6 +1,7 @@
 """Where the warmed reference engine's host time goes, canary off against on, part by part.
 
-    PYTHONPATH=src python3 benchmarks/engine_phases.py [--device cuda|cpu] [--runs 4]
+    PYTHONPATH=src python3 benchmarks/engine_phases.py [--device cuda|cpu] [--runs 4] [--lockstep]
+                                                       [--model bench|micro] [--requests 96]
 
 Builds one engine per mode (off, partial, none; ``bench_engine.py``'s workload of 96 requests x
 32 new tokens, graph-captured decode on CUDA), warms each up with a run, then times ``--runs``
@@ -10,7 +11,10 @@ the canary's calls (``end_step`` also by the kind of step it ends: eager or repl
 sweep's parts, plus Python's garbage collections. A part that grows with the canary on although
 the canary's own timers do not cover it is a cost of the canary that its share leaves out.
 Prints, per part and mode: total ms a run, median µs a call and calls a run; on CUDA, then each
-captured decode graph replayed alone (device-bound, µs a replay).
+captured decode graph replayed alone (device-bound, µs a replay). ``--lockstep``: each run steps
+the modes' engines in turn (``bench_engine.run_lockstep``), so that every mode's parts are timed
+under the same host conditions, a few milliseconds apart; ``--model``: ``bench_engine.MODELS``
+(micro: a CPU step host-bound, as a graph-captured decode step on the H200 is).
 """
 
 from __future__ import annotations
@@ -57,11 +61,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--model", choices=sorted(be.MODELS), default="bench")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="each run steps the modes' engines in turn instead of one run after another")
     args = ap.parse_args(argv)
+    if args.runs < 1 or args.requests < 1:
+        sys.exit(f"--runs and --requests must be >= 1, got {args.runs} and {args.requests}")
     torch.set_num_threads(1)
-    built = {m: be.build(m, args.device, be.engine_options(args.device == "cuda")) for m in MODES}
+    built = {m: be.build(m, args.device, be.engine_options(args.device == "cuda"), args.model) for m in MODES}
     for m in MODES:
-        be.run_on(m, *built[m], be.workload(512, 96, seed=1000), 32)
+        be.run_on(m, *built[m], be.workload(512, args.requests, seed=1000), 32)
     acc = {m: collections.defaultdict(list) for m in MODES}
     mode = [None]  # the mode being timed; None: nothing is recorded (a run's own set-up)
 
@@ -92,9 +102,21 @@ def main(argv=None) -> None:
     graphs_class = getattr(canary_module, "SweepGraphs", None)  # an older tree has none
     for n in ("load", "again") if graphs_class is not None else ():
         setattr(graphs_class, n, timed(getattr(graphs_class, n), f"SweepGraphs.{n}"))
+    def stepping(f, m):
+        """``f`` (an engine's step) recording under mode ``m`` (``--lockstep`` switches mode every step)."""
+        def g(*a, **k):
+            before, mode[0] = mode[0], m
+            try:
+                return f(*a, **k)
+            finally:
+                mode[0] = before
+        return g
+
     for m in MODES:
         eng, hooks = built[m]
         eng.step = timed(eng.step, "Engine.step")
+        if args.lockstep:
+            eng.step = stepping(eng.step, m)
         eng._device_step = timed(eng._device_step, "eager _device_step")
         for owner, prefix, names in ((eng.scheduler, "", ("schedule", "postprocess")), (eng.sampler, "", ("sample",)),
                                      (eng.delivery, "delivery.", ("sampled", "advance")), (eng.hooks, "hooks.", HOOKS),
@@ -111,10 +133,15 @@ def main(argv=None) -> None:
             hooks.canary.end_step = _by_step_kind(hooks.canary, record)
     walls = collections.defaultdict(list)
     for k in range(args.runs):
-        for m in MODES[k % len(MODES):] + MODES[: k % len(MODES)]:
-            mode[0] = m
-            r = be.run_on(m, *built[m], be.workload(512, 96, seed=k), 32)
-            mode[0] = None
+        order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]
+        prompts = be.workload(512, args.requests, seed=k)
+        done = be.run_lockstep({m: built[m] for m in order}, prompts, 32) if args.lockstep else {}
+        for m in order:
+            if not args.lockstep:
+                mode[0] = m
+                done[m] = be.run_on(m, *built[m], prompts, 32)
+                mode[0] = None
+            r = done[m]
             walls[m].append((round(r["seconds"], 3), r["steps"], round(r["canary_seconds"], 4)))
     for m in MODES:
         print(f"{m} runs (s, steps, canary s): {walls[m]}")

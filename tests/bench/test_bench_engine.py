@@ -3,7 +3,10 @@ what each engine computes alone, and its per-kind figures add up to the run's.""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +24,15 @@ def bench():
     return module
 
 
-@pytest.mark.parametrize("turn", [1, 3])
-def test_lockstep_runs_what_each_engine_runs_alone(bench, turn):
+@pytest.mark.parametrize("turn, model", [(1, "bench"), (3, "bench"), (1, "micro")])
+def test_lockstep_runs_what_each_engine_runs_alone(bench, turn, model):
     prompts = bench.workload(512, 5, seed=7)
     alone = {}
     for m in ("off", "partial"):
-        engine, _ = bench.build(m, "cpu", {})
+        engine, _ = bench.build(m, "cpu", {}, model)
+        assert engine.model_config == bench.MODELS[model]
         alone[m] = list(engine.generate(prompts, 4).values())
-    engines = {m: bench.build(m, "cpu", {}) for m in ("partial", "off")}
+    engines = {m: bench.build(m, "cpu", {}, model) for m in ("partial", "off")}
     out = bench.run_lockstep(engines, prompts, 4, turn)
     assert set(out) == {"off", "partial"}
     for m, r in out.items():
@@ -55,3 +59,50 @@ def test_lockstep_arguments_checked(args, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, capsys):
+    """The "not canary" column: the median over repeats of (µs a step - the off engine's - the
+    canary's own µs a step), per step kind; the other columns as before."""
+    rng = random.Random(5)
+    runs = []
+    for k in range(5):
+        for m in ("off", "none"):
+            n_eager, n_replayed = rng.randrange(50, 150), rng.randrange(100, 400)
+            canary = m != "off"
+            runs.append({"mode": m, "repeat": k, "eager": n_eager, "replayed": n_replayed,
+                         "eager_s": n_eager * rng.uniform(3e-3, 4e-3),
+                         "replayed_s": n_replayed * rng.uniform(1e-3, 2e-3),
+                         "eager_canary_s": n_eager * rng.uniform(1e-4, 3e-4) if canary else 0.0,
+                         "replayed_canary_s": n_replayed * rng.uniform(2e-5, 6e-5) if canary else 0.0,
+                         "graph_device_s": n_replayed * rng.uniform(5e-4, 6e-4)})
+    bench.by_kind(runs, ["off", "none"])
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in capsys.readouterr().out.splitlines()[1:]}
+    off = {r["repeat"]: r for r in runs if r["mode"] == "off"}
+    for kind in ("eager", "replayed"):
+        per = [(1e6 * r[kind + "_s"] / r[kind], 1e6 * off[r["repeat"]][kind + "_s"] / off[r["repeat"]][kind],
+                1e6 * r[kind + "_canary_s"] / r[kind]) for r in runs if r["mode"] == "none"]
+        steps, step, more, canary, rest = (float(x) for x in rows["none", kind][:5])
+        assert step == pytest.approx(statistics.median(p[0] for p in per), abs=0.05)
+        assert more == pytest.approx(statistics.median(p[0] - p[1] for p in per), abs=0.05)
+        assert canary == pytest.approx(statistics.median(p[2] for p in per), abs=0.05)
+        assert rest == pytest.approx(statistics.median(p[0] - p[1] - p[2] for p in per), abs=0.05)
+        assert [float(x) for x in rows["off", kind][2:5]] == [0.0, 0.0, 0.0]
+
+
+def test_engine_phases_lockstep_times_each_mode_on_the_same_steps():
+    """``engine_phases.py --lockstep``: every mode's engine runs the same steps, each step's parts
+    recorded under its own mode (the canary's parts under the canary's modes only)."""
+    script = SCRIPT.parent / "engine_phases.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
+                           "--runs", "2", "--requests", "6"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    walls = {line.split()[0]: ast.literal_eval(line.split(": ", 1)[1]) for line in lines if " runs (s, steps" in line}
+    assert set(walls) == {"off", "partial", "none"}
+    steps = {m: [w[1] for w in ws] for m, ws in walls.items()}
+    assert len(steps["off"]) == 2 and steps["off"] == steps["partial"] == steps["none"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines}
+    for i, m in enumerate(("off", "partial", "none")):  # per mode: ms a run, median µs, calls a run
+        assert int(rows["Engine.step"][3 * i + 2]) == sum(steps[m]) // 2
+        assert int(rows["canary.tail"][3 * i + 2]) == (0 if m == "off" else sum(steps[m]) // 2)
