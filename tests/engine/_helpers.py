@@ -49,7 +49,10 @@ def kv_bytes(engine: Engine, slots: torch.Tensor) -> torch.Tensor:
 
 
 class RecordingHooks(EngineHooks):
-    """Records every hook call as (name, args) and runs optional callbacks."""
+    """Records every hook call as (name, args) and runs optional callbacks; reads the token truth
+    (the engine builds it, as for a canary)."""
+
+    reads_token_truth = True
 
     def __init__(self, on_before=None):
         self.events: list[tuple[str, tuple]] = []

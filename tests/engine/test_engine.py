@@ -57,6 +57,51 @@ def test_every_forward_batch_is_consistent(page_size):
     assert hooks.names().count("before_forward") == engine.stats.num_steps > 0
 
 
+class _Quiet(RecordingHooks):
+    reads_token_truth = False
+
+
+@pytest.mark.parametrize("seed", [30, 31])
+def test_hooks_that_read_no_token_truth_get_none_and_the_same_tokens(seed):
+    """The engine builds each forward's token truth only for hooks that read it: without them
+    every batch's truth fields are None and no request's truth_len moves, and the engine emits,
+    step by step, exactly the tokens it emits with the truth built."""
+    runs = {}
+    for hooks in (RecordingHooks(), _Quiet()):
+        engine = make_engine(hooks=hooks, chunk_size=7, max_tokens_per_step=30, num_slots=96, host_tier_slots=32)
+        seen = []
+        hooks.on_before = lambda b, e=engine, s=seen: s.append(
+            (b.truth_ids, b.truth_offsets, b.truth_starts, [e.requests[r].truth_len for r in b.request_ids]))
+        steps = []
+        for p in random_prompts(seed=seed, num=10, prefix_len=12):
+            engine.add_request(p, 7)
+        while engine.has_unfinished:
+            steps.append(dict(engine.step().new_tokens))
+        runs[hooks.reads_token_truth] = (steps, seen, engine)
+    (with_truth, seen_truth, engine_truth), (without, seen_none, engine_none) = runs[True], runs[False]
+    assert with_truth == without and len(without) > 5  # every token, at every step
+    assert engine_none.stats.num_offloaded_slots > 0  # a host tier in play
+    assert all(ids is None and offsets is None and starts is None and not any(lens)
+               for ids, offsets, starts, lens in seen_none)
+    assert all(ids is not None and offsets is not None for ids, offsets, _, _ in seen_truth)
+    assert any(any(lens) for *_, lens in seen_truth)
+    assert EngineHooks.reads_token_truth is False
+
+
+def test_canary_and_fault_hooks_read_the_token_truth_the_config_asks_for():
+    from kvcanary.config import CanaryConfig, Policy
+    from kvcanary.engine.canary_hooks import CanaryHooks
+    from kvcanary.faults.hooks import FaultHooks
+
+    for config, reads in ((CanaryConfig(), True), (CanaryConfig(truth=False), False),
+                          (CanaryConfig(policy=Policy.OFF), False)):
+        hooks = CanaryHooks(config)
+        assert hooks.reads_token_truth is reads
+        assert FaultHooks(hooks, []).reads_token_truth is reads
+        assert make_engine(hooks=hooks).token_truth is reads
+    assert FaultHooks(EngineHooks(), []).reads_token_truth is False
+
+
 def test_hook_order_within_steps():
     hooks = RecordingHooks()
     engine = make_engine(hooks=hooks, num_slots=64, host_tier_slots=64, chunk_size=8)

@@ -88,6 +88,7 @@ class CanaryHooks(EngineHooks):
         self.tail_layer: int | None = None  # the layer after whose attention TAIL starts (``layer_done``)
         self.step = 0
         self._sweep_every = config.sweep_interval if config.enabled else 0  # steps between sweeps (0: none)
+        self.reads_token_truth = config.enabled and config.truth  # the engine builds each forward's truth then
         self.reports: list[StepReport] = []
         self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
 

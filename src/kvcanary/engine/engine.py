@@ -74,7 +74,10 @@ class Engine:
         self.model = TinyLlama(self.model_config, config.max_ctx, self.device)
         self.sampler = Sampler(config.sampler, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
-        self.graphs = DecodeGraphs(config.graph_batch_sizes, config.appends_truth) if config.cuda_graph else None
+        # token truth only for hooks that read it (a canary's): the canary-off engine builds none
+        self.token_truth = bool(self.hooks.reads_token_truth)
+        self.graphs = (DecodeGraphs(config.graph_batch_sizes, config.appends_truth and self.token_truth)
+                       if config.cuda_graph else None)
         self.replaying = False  # whether this step's forward is a graph replay (set before ``before_forward``)
         self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
@@ -154,7 +157,7 @@ class Engine:
                 )
             return StepResult(step_index=-1)
         batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo,
-                                    appends=self.config.appends_truth)
+                                    appends=self.config.appends_truth, truth=self.token_truth)
         batch_reqs = [req for req, _ in plan]
         graphed = None
         if self.graphs is not None:  # a size's first decode step captures its graph (nothing runs then)

@@ -25,10 +25,11 @@ from kvcanary.runtime.batch import ForwardBatch
 
 
 def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding: int = 0, padding_slot: int = 0,
-                        zoo: Zoo | None = None, appends: bool = False) -> ForwardBatch:
+                        zoo: Zoo | None = None, appends: bool = False, truth: bool = True) -> ForwardBatch:
     """The forward of ``plan`` (non-empty) and ``num_padding`` padding requests. Index tensors are
     int64 on ``req_to_token``'s device; ``req_to_token`` itself is passed through, not copied.
-    ``appends``: token truth as appends where the batch allows (module doc)."""
+    ``appends``: token truth as appends where the batch allows (module doc); ``truth``: build
+    token truth at all (False: its fields are None, and no request's ``truth_len`` moves)."""
     device = req_to_token.device
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)
     pad = [0] * num_padding
@@ -46,15 +47,17 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         )
         + pad
     )
-    if appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
+    if not truth:
+        truth_ids = truth_offsets = truth_starts = None
+    elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
         truth_ids = as_tensor([_token_at(req, req.num_cached) for req, _ in plan] + pad)
         truth_offsets, truth_starts = torch.arange(len(plan) + num_padding + 1), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
     else:
-        truth = [req.token_ids for req, _ in plan] + [[]] * num_padding
-        truth_ids = as_tensor(list(itertools.chain.from_iterable(truth)))
-        truth_offsets, truth_starts = as_tensor([0, *itertools.accumulate(len(t) for t in truth)]), None
+        histories = [req.token_ids for req, _ in plan] + [[]] * num_padding
+        truth_ids = as_tensor(list(itertools.chain.from_iterable(histories)))
+        truth_offsets, truth_starts = as_tensor([0, *itertools.accumulate(len(t) for t in histories)]), None
         for req, _ in plan:
             req.truth_len = req.num_tokens
     token_rows = torch.repeat_interleave(rows, extend_lens).to(device)
@@ -71,8 +74,8 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         input_ids=input_ids.to(device),
         positions=positions.to(device),
         out_cache_loc=out_cache_loc,
-        truth_ids=truth_ids.to(device),
-        truth_offsets=truth_offsets.to(device),
+        truth_ids=None if truth_ids is None else truth_ids.to(device),
+        truth_offsets=None if truth_offsets is None else truth_offsets.to(device),
         request_ids=tuple(req.request_id for req, _ in plan) + (None,) * num_padding,
         truth_starts=None if truth_starts is None else truth_starts.to(device),
     )

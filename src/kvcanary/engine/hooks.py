@@ -26,7 +26,14 @@ from kvcanary.runtime.batch import ForwardBatch
 
 
 class EngineHooks:
-    """No-op hooks. Hooks must not change engine bookkeeping; they may read or write the pool."""
+    """No-op hooks. Hooks must not change engine bookkeeping; they may read or write the pool.
+
+    ``reads_token_truth``: whether these hooks read each forward's token truth
+    (``ForwardBatch.truth_ids``, ``truth_offsets``, ``truth_starts``). The engine builds it only
+    for hooks that do (a canary's); for any others those fields are None, so an engine without
+    a canary pays nothing for a truth no one reads. Hooks that read it set it True."""
+
+    reads_token_truth = False
 
     def before_forward(self, batch: ForwardBatch) -> None:
         """Right before the model runs; the slots in ``batch.out_cache_loc`` are not written yet."""

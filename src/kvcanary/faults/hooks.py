@@ -47,6 +47,11 @@ class FaultHooks(EngineHooks):
             fault.attach(engine, canary)
 
     @property
+    def reads_token_truth(self) -> bool:
+        """The inner hooks' (the faults read no token truth)."""
+        return self.inner.reads_token_truth
+
+    @property
     def injections(self) -> list[Injection]:
         return sorted((i for f in self.faults for i in f.injections), key=lambda i: i.step)
 
