@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from kvcanary.engine.scheduler import Schedule
@@ -31,7 +32,9 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
     ``appends``: token truth as appends where the batch allows (module doc); ``truth``: build
     token truth at all (False: its fields are None, and no request's ``truth_len`` moves)."""
     device = req_to_token.device
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)
+    # through numpy: torch.tensor converts a list element by element, 3x as long (124 against 41 µs
+    # for a truth of 2,400 tokens)
+    as_tensor = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64))
     pad = [0] * num_padding
     rows = as_tensor([req.row for req, _ in plan] + pad)
     prefix_lens = as_tensor([req.num_cached for req, _ in plan] + pad)
