@@ -81,6 +81,7 @@ def test_hooks_that_read_no_token_truth_get_none_and_the_same_tokens(seed):
     (with_truth, seen_truth, engine_truth), (without, seen_none, engine_none) = runs[True], runs[False]
     assert with_truth == without and len(without) > 5  # every token, at every step
     assert engine_none.stats.num_offloaded_slots > 0  # a host tier in play
+    assert engine_truth.token_truth is True and engine_none.token_truth is False
     assert all(ids is None and offsets is None and starts is None and not any(lens)
                for ids, offsets, starts, lens in seen_none)
     assert all(ids is not None and offsets is not None for ids, offsets, _, _ in seen_truth)

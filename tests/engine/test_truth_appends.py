@@ -84,6 +84,27 @@ def test_a_decode_batch_appends_only_where_every_row_holds_its_history():
     assert build_forward_batch([(a, 1)], table).truth_starts is None
 
 
+def test_decode_appends_make_no_copies_of_their_own():
+    """The starts of a decode batch of appends are its prefix lengths' tensor, and its offsets
+    (0..bs) one tensor kept per size: the same values, no copy of their own each step."""
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    a = _request(1, 1, [11, 12, 13], [14], truth_len=3)
+    b = _request(2, 2, [21, 22], [23, 24], truth_len=3)
+    batch = build_forward_batch([(a, 1), (b, 1)], table, num_padding=1, appends=True)
+    assert batch.truth_starts is batch.prefix_lens and batch.truth_starts.tolist() == [3, 3, 0]
+    assert batch.truth_offsets.tolist() == [0, 1, 2, 3] and batch.truth_ids.tolist() == [14, 24, 0]
+    for r, token in ((a, 15), (b, 25)):  # the next decode step: a token sampled and cached each
+        r.output_ids.append(token)
+        r.num_cached += 1
+    again = build_forward_batch([(b, 1), (a, 1)], table, num_padding=1, appends=True)
+    assert again.truth_offsets is batch.truth_offsets and again.truth_starts is again.prefix_lens
+    assert again.truth_starts.tolist() == [4, 4, 0] and again.truth_ids.tolist() == [25, 15, 0]
+    a.output_ids.append(16)
+    a.num_cached += 1
+    alone = build_forward_batch([(a, 1)], table, appends=True)  # another size: its own kept offsets
+    assert alone.truth_offsets.tolist() == [0, 1] and alone.truth_starts is alone.prefix_lens
+
+
 def test_truth_starts_are_checked_on_construction():
     i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
     base = dict(req_pool_indices=i64(1, 2), prefix_lens=i64(3, 5), extend_lens=i64(1, 1),

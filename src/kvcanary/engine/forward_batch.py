@@ -54,7 +54,9 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         truth_ids = truth_offsets = truth_starts = None
     elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
         truth_ids = as_tensor([_token_at(req, req.num_cached) for req, _ in plan] + pad)
-        truth_offsets, truth_starts = torch.arange(len(plan) + num_padding + 1), prefix_lens
+        # one token a request: the offsets are 0..bs, one device tensor per size kept (nothing writes
+        # a batch's tensors), and the starts are the prefix lengths (the same device tensor)
+        truth_offsets, truth_starts = _counting(len(plan) + num_padding + 1, device), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
     else:
@@ -63,6 +65,7 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         truth_offsets, truth_starts = as_tensor([0, *itertools.accumulate(len(t) for t in histories)]), None
         for req, _ in plan:
             req.truth_len = req.num_tokens
+    prefix_on_device = prefix_lens.to(device)
     token_rows = torch.repeat_interleave(rows, extend_lens).to(device)
     out_cache_loc = req_to_token[token_rows, positions.to(device)].to(torch.int64)
     if num_padding:
@@ -71,17 +74,28 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         positions = _restart_chunk_positions(plan, positions, out_cache_loc, zoo)
     return ForwardBatch(
         req_pool_indices=rows.to(device),
-        prefix_lens=prefix_lens.to(device),
+        prefix_lens=prefix_on_device,
         extend_lens=extend_lens.to(device),
         req_to_token=req_to_token,
         input_ids=input_ids.to(device),
         positions=positions.to(device),
         out_cache_loc=out_cache_loc,
         truth_ids=None if truth_ids is None else truth_ids.to(device),
-        truth_offsets=None if truth_offsets is None else truth_offsets.to(device),
+        truth_offsets=None if truth_offsets is None else truth_offsets.to(device),  # kept ones: already there
         request_ids=tuple(req.request_id for req, _ in plan) + (None,) * num_padding,
-        truth_starts=None if truth_starts is None else truth_starts.to(device),
+        truth_starts=None if truth_starts is None else prefix_on_device,  # appends start where the prefix ends
     )
+
+
+_COUNTING: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _counting(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [0, 1, ..., n - 1] on ``device``, made once per size and device (read, never written)."""
+    t = _COUNTING.get((n, device))
+    if t is None:
+        t = _COUNTING[n, device] = torch.arange(n, dtype=torch.int64, device=device)
+    return t
 
 
 def _token_at(req, position: int) -> int:
