@@ -137,11 +137,14 @@ def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
     acc = {m: {"seconds": 0.0, "replayed_s": 0.0, "replayed": 0, "eager_s": 0.0, "eager": 0, "graph_device_s": 0.0,
                "replayed_canary_s": 0.0, "eager_canary_s": 0.0} for m in modes}
     marks: list = []  # the current step's (start, end) events around its graph replay
+    replays: dict = {}  # mode -> the replay its graphs had as an attribute of their own, if any
     for m, (engine, hooks) in engines.items():
         totals = hooks.canary.totals if hooks is not None else None
         start[m] = ((totals.seconds, totals.violations) if totals is not None else (0.0, 0), engine.stats.num_steps)
         ids[m] = [engine.add_request(p, max_new) for p in prompts]
         if cuda and engine.graphs is not None:
+            # over whatever replays there (another script's timer stays, and is put back after)
+            replays[m] = vars(engine.graphs).get("replay")
             engine.graphs.replay = timed_replay(engine.graphs.replay, marks)
     gc.collect()
     k = 0
@@ -172,9 +175,12 @@ def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
                 marks.clear()
             k += 1
     finally:
-        for engine, _ in engines.values():
+        for m, (engine, _) in engines.items():
             if cuda and engine.graphs is not None:
-                vars(engine.graphs).pop("replay", None)  # the class's own method again
+                if replays.get(m) is None:
+                    vars(engine.graphs).pop("replay", None)  # the class's own method again
+                else:
+                    engine.graphs.replay = replays[m]
     out = {}
     for m, (engine, hooks) in engines.items():
         if hooks is not None:
