@@ -37,8 +37,10 @@ def _canary(path: str, seed: int) -> tuple[Canary, list[torch.Tensor]]:
     return canary, buffers
 
 
-def _steps(seed: int) -> list[ForwardBatch]:
-    """A prefill of three requests (two share a 6-token prefix, as a radix hit gives), then decodes."""
+def _steps(seed: int, appends: bool = False) -> list[ForwardBatch]:
+    """A prefill of three requests (two share a 6-token prefix, as a radix hit gives), then decodes;
+    ``appends``: the decodes hand their truth as appends (each request's one new token at its
+    prefix length; the prefill sent every history whole)."""
     gen = torch.Generator().manual_seed(seed)
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)
     rtt = torch.zeros(ROWS, MAX_CTX, dtype=torch.int32)
@@ -64,18 +66,22 @@ def _steps(seed: int) -> list[ForwardBatch]:
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + lens[r] + 1)
+        if appends and len(steps) > 1:  # request 2's row holds its history from the first decode on
+            truth, offsets, starts = [tokens[r][lens[r]] for r in rows], [0, 1, 2, 3], i64(prefix)
+        else:
+            starts = None
         steps.append(ForwardBatch(i64(rows), i64(prefix), i64([1, 1, 1]), rtt.clone(),
                                   i64([tokens[r][lens[r]] for r in rows]), i64(prefix), i64(loc),
-                                  truth_ids=i64(truth), truth_offsets=i64(offsets)))
+                                  truth_ids=i64(truth), truth_offsets=i64(offsets), truth_starts=starts))
         for r in rows:
             lens[r] += 1
     return steps
 
 
-def _run(path: str, seed: int, damage: bool) -> tuple[Canary, list]:
+def _run(path: str, seed: int, damage: bool, appends: bool = False) -> tuple[Canary, list]:
     canary, buffers = _canary(path, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    steps = _steps(seed)
+    steps = _steps(seed, appends)
     for step, b in enumerate(steps):
         canary.head(b)
         hit = damage and step == 2
@@ -98,25 +104,31 @@ def _state(canary: Canary, buffers) -> list[torch.Tensor]:
     return [st.records, st.source_tags, st.ring[: int(st.ring_counter[0])], st.ring_counter, st.stats, *buffers]
 
 
+@pytest.mark.parametrize("appends", [False, True], ids=["whole", "appends"])
 @pytest.mark.parametrize("damage", [False, True], ids=["clean", "damaged"])
-def test_the_bound_path_leaves_the_bytes_of_the_ops(damage):
-    bound, bound_kv = _run("bound", 5, damage)
+def test_the_bound_path_leaves_the_bytes_of_the_ops(damage, appends):
+    bound, bound_kv = _run("bound", 5, damage, appends)
     assert bound.backend is Backend.NUMBA and bound.cpu is not None
     rows = int(bound.state.ring_counter[0])
     assert (rows > 0) == damage, rows
     for path in ("op", "torch"):
-        other, other_kv = _run(path, 5, damage)
-        for i, (a, b) in enumerate(zip(_state(bound, bound_kv), _state(other, other_kv), strict=True)):
+        other, other_kv = _run(path, 5, damage, appends)
+        mine, theirs = (_state(c, kv) + [c.truth, c.truth_lens] for c, kv in ((bound, bound_kv), (other, other_kv)))
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             assert a.equal(b), f"{path}: buffer {i} differs"
+    if appends:  # the appends left the truth whole histories leave
+        whole, _ = _run("bound", 5, damage, False)
+        assert bound.truth.equal(whole.truth) and bound.truth_lens.equal(whole.truth_lens)
 
 
-def test_a_clean_batch_takes_no_op(monkeypatch):
+@pytest.mark.parametrize("appends", [False, True], ids=["whole", "appends"])
+def test_a_clean_batch_takes_no_op(monkeypatch, appends):
     def refuse(*args, **kwargs):
         raise AssertionError("the op's path was taken")
 
     for name in ("check_forward", "scatter_req_token_ids", "verify"):
         monkeypatch.setattr(canary_mod, name, refuse)
-    canary, _ = _run("bound", 3, damage=False)
+    canary, _ = _run("bound", 3, damage=False, appends=appends)
     assert canary.totals.forwards == 5 and int(canary.state.stats[:, 0].sum()) == 11  # HEAD, TAIL x5, one sweep
 
 

@@ -43,7 +43,7 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops._common import Backend
-from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _TRUTH, _UNMARKED
+from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
 
 log = logging.getLogger("kvcanary")
 
@@ -107,11 +107,11 @@ def _warm_dispatch() -> None:
     stats, ring = i64(NUM_LAUNCH_TAGS, NUM_STATS), i64(1, VIOLATION_ROW_WIDTH)
     kv = (i32(4), i32(4), i32(4), i32(4))
     batch = (i64(0), i64(0), i64(0), i32(1, 1), i64(0), i64(0), i64(0))
-    kernel("check")(i64(2, 4), *batch, i32(1, 1), i64(1), i64(0), i64(1), i64(1), i64(1), i64(2, 2), ring, i64(1),
-                    stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, _SCATTER)
+    kernel("check")(i64(2, 4), *batch, i32(1, 1), i64(1), i64(0), i64(1), i64(0), i64(1), i64(1), i64(2, 2), ring,
+                    i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0, 0, _SCATTER | _STARTS)
     plan = [i32(1) for _ in range(6)]
     kernel("verify")(i64(2, 4), *plan, i64(1), i32(1), ring, i64(1), stats, *kv, i64(4, 4), i64(2), 0, 0, 0)
-    kernel("scatter")(i64(0), i64(1), i64(0), i32(1, 1), i32(1), i64(1), True, True)
+    kernel("scatter")(i64(0), i64(1), i64(0), i32(1, 1), i32(1), i64(1), True, True, i64(0), True)
 
 
 def compile_kernels() -> float:
@@ -203,7 +203,7 @@ def check(state, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth
     status = kernel("check")(
         words, rpi.numpy(), prefix_lens.numpy(), extend_lens.numpy(), rtt.numpy(), ids.numpy(), pos.numpy(),
         loc.numpy(), _np(truth) if truth is not None else _DUMMY_I32_2,
-        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1, _DUMMY_I64_1, _DUMMY_I64_1,
+        truth_lens.numpy() if truth_lens is not None else _DUMMY_I64_1, _DUMMY_I64_1, _DUMMY_I64_1, _DUMMY_I64_1,
         lut.numpy() if lut is not None else _DUMMY_I64_1, held.numpy() if flags & _HELD else _DUMMY_I64_1,
         _marks(state.num_slots), ring, counter, stats, kv0, kv1, kv2, kv3, meta_np,
         src_tags, len(sources), halves, window, tag, flags)
@@ -219,11 +219,13 @@ def verify(state, plan, tag: int, sources, meta) -> None:
         len(sources), halves, tag)
 
 
-def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None) -> None:
+def scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out=None, starts=None) -> None:
     """``scatter_req_token_ids`` on CPU tensors (validated by the caller) through the compiled kernel;
-    ``lens_out`` (int64[>= bs] or None): each request's segment length too."""
+    ``lens_out`` (int64[>= bs] or None): each request's segment length too; ``starts`` (int64[bs]
+    or None): appends, each segment from its column on."""
     kernel("scatter")(flat_in.numpy(), offsets.numpy(), req_pool_indices.numpy(), _np(pool_out), error_flag.numpy(),
-                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None, False)
+                      _DUMMY_I64_1 if lens_out is None else _np(lens_out), lens_out is not None, False,
+                      _DUMMY_I64_1 if starts is None else starts.numpy(), starts is not None)
 
 
 class BoundForward:
@@ -247,30 +249,35 @@ class BoundForward:
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
 
-    def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray) -> bool:
-        """Token truth of the batch into the truth table and each request's length into the lengths."""
+    def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray, starts: np.ndarray | None = None
+                ) -> bool:
+        """Token truth of the batch into the truth table and each request's length into the lengths
+        (``starts``: appends, each from its column on)."""
         try:
-            return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True) == 0
+            return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True,
+                                 _DUMMY_I64_1 if starts is None else starts, starts is not None) == 0
         except TypeError:  # a non-contiguous array: refused by the signature before anything ran
             return False
 
     def check(self, batch: tuple, held: np.ndarray | None, tag: int, stamp: bool, truth: bool,
-              scatter: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+              scatter: tuple | None = None) -> bool:
         """HEAD (``stamp``) or TAIL of ``batch`` = ``batch_arrays(...)``; ``truth``: check tokens
-        against the truth table; ``scatter``: the forward's (truth ids, offsets), scattered into
-        the truth table and lengths first, in the same call; ``held``: int64 numpy slots or None."""
+        against the truth table; ``scatter``: the forward's (truth ids, offsets, starts or None),
+        scattered into the truth table and lengths first, in the same call (with starts: appends,
+        each from its column on); ``held``: int64 numpy slots or None."""
         rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
+        flat, offsets, starts = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1, None)
         flags = (_STAMP if stamp else 0) | (_TRUTH if truth else 0) | (_LUT if lut is not None else 0) \
-            | (_HELD if held is not None and stamp else 0) | (_SCATTER if scatter is not None else 0)
-        flat, offsets = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1)
+            | (_HELD if held is not None and stamp else 0) | (_SCATTER if scatter is not None else 0) \
+            | (_STARTS if starts is not None else 0)
         try:
             return self._check(
                 words, rpi, prefix, extend, rtt, ids, pos, loc, self.truth if truth or scatter else _DUMMY_I32_2,
                 self.truth_lens if truth or scatter else _DUMMY_I64_1, flat, offsets,
-                _DUMMY_I64_1 if lut is None else lut, held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring,
-                counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, self.window, tag,
-                flags) == 0
+                _DUMMY_I64_1 if starts is None else starts, _DUMMY_I64_1 if lut is None else lut,
+                held if flags & _HELD else _DUMMY_I64_1, self.scratch, ring, counter, stats, kv0, kv1, kv2, kv3,
+                meta_np, src_tags, self.num_sources, halves, self.window, tag, flags) == 0
         except TypeError:  # a non-contiguous batch array: refused by the signature before anything ran
             return False
 

@@ -25,7 +25,7 @@ _UNMARKED = np.int64(2**63 - 1)
 _CHAIN, _POSITION, _FINGERPRINT, _WRITE_TOKEN, _WRITE_POSITION, _VERIFY_TOKEN = 1, 2, 4, 8, 16, 32
 _BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT, _MISSED_WRITE = 64, 128, 256, 512
 # flags of the check kernel
-_STAMP, _TRUTH, _LUT, _HELD, _SCATTER = 1, 2, 4, 8, 16
+_STAMP, _TRUTH, _LUT, _HELD, _SCATTER, _STARTS = 1, 2, 4, 8, 16, 32
 
 
 def _mix(z):
@@ -242,11 +242,12 @@ def _unmark_readers(num_slots, rpi, lo, hi, rtt, lut, has_lut, scratch):
                 scratch[1, s] = _UNMARKED
 
 
-def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, flat, offsets, lut, held, scratch, ring,
-           counter, stats, kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
+def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, flat, offsets, tstarts, lut, held, scratch,
+           ring, counter, stats, kv0, kv1, kv2, kv3, meta, src_tags, num_sources, halves, window, tag, flags):
     """``check_forward``'s torch path (see ``ops.check``); ``flags``: _STAMP, _TRUTH, _LUT, _HELD,
     _SCATTER (the forward's truth scatter from ``flat`` / ``offsets`` first: one call for a CPU
-    Canary's truth scatter and HEAD).
+    Canary's truth scatter and HEAD), _STARTS (that scatter's segments are appends from
+    ``tstarts``).
     Verifies the plan's entries as it walks the page table (``_verify_prefixes``; HEAD: no
     fingerprints), then HEAD checks the write targets, stamps (every seed read before any write) and marks the
     targets in the sources, or TAIL names the targets still marked (MISSED_WRITE) and records the
@@ -259,10 +260,11 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, flat, o
     if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter):
         return 1
     if flags & _SCATTER:  # the forward's truth scatter first (``_scatter``, strict), into truth and tlens
-        bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, truth.shape[0])
+        has_starts = (flags & _STARTS) != 0  # appends, each from its start on
+        bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, truth.shape[0], tstarts, has_starts)
         if bad_off or bad_rows or tlens.shape[0] < bs:
             return 2
-        _scatter_rows(flat, offsets, rpi, truth, tlens, True)
+        _scatter_rows(flat, offsets, rpi, truth, tlens, True, tstarts, has_starts)
     lo = np.zeros(bs, dtype=np.int64)  # each request's prefix entries [lo, hi): none for padding rows
     hi = np.zeros(bs, dtype=np.int64)
     for r in range(bs):
@@ -466,44 +468,48 @@ def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring
                     meta, num_sources, src_tags, halves)
 
 
-def _scatter_bad(flat, offsets, rpi, rows):
+def _scatter_bad(flat, offsets, rpi, rows, starts, has_starts):
     """(bad offsets, bad rows) of a truth scatter: offsets that do not run from 0 to len(flat)
-    without decreasing (or not bs + 1 of them), rows outside the table."""
+    without decreasing (or not bs + 1 of them), with ``has_starts`` a negative start (or not bs
+    of them), rows outside the table."""
     n, bs = flat.shape[0], rpi.shape[0]
-    if offsets.shape[0] != bs + 1:
+    if offsets.shape[0] != bs + 1 or (has_starts and starts.shape[0] != bs):
         return True, False
     bad_off = offsets[0] != 0 or offsets[bs] != n
     bad_rows = False
     for r in range(bs):
-        bad_off = bad_off or offsets[r + 1] < offsets[r]
+        bad_off = bad_off or offsets[r + 1] < offsets[r] or (has_starts and starts[r] < 0)
         bad_rows = bad_rows or rpi[r] < 0 or rpi[r] >= rows
     return bad_off, bad_rows
 
 
-def _scatter_rows(flat, offsets, rpi, out, lens, has_lens):
-    """Copy every valid segment into its row of ``out``; ``has_lens``: each segment's length too."""
+def _scatter_rows(flat, offsets, rpi, out, lens, has_lens, starts, has_starts):
+    """Copy every valid segment into its row of ``out``, from column 0 or (``has_starts``) from
+    its start on, nothing past the row's width; ``has_lens``: each segment's length too (plus
+    its start: the length of the history the row then holds)."""
     n, bs = flat.shape[0], rpi.shape[0]
     rows, width = out.shape[0], out.shape[1]
-    if has_lens:
-        for r in range(bs):
-            lens[r] = offsets[r + 1] - offsets[r]
     for r in range(bs):
         a, b, row = offsets[r], offsets[r + 1], rpi[r]
-        if 0 <= a <= b <= n and 0 <= row < rows:
-            for c in range(min(b - a, width)):
-                out[row, c] = np.int32(flat[a + c])
+        first = starts[r] if has_starts else 0
+        if has_lens:
+            lens[r] = first + b - a
+        if 0 <= a <= b <= n and 0 <= row < rows and first >= 0:
+            for c in range(max(min(b - a, width - first), 0)):
+                out[row, first + c] = np.int32(flat[a + c])
 
 
-def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
+def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict, starts, has_starts):
     """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
-    ``has_lens``: also each request's segment length into ``lens``. ``strict``: bad offsets or
-    rows write nothing (no flag either) and return 1, for a caller that raises
+    ``has_lens``: also each request's segment length into ``lens``; ``has_starts``: segments are
+    appends, each from its column in ``starts`` on. ``strict``: bad offsets, starts or rows
+    write nothing (no flag either) and return 1, for a caller that raises
     ``validate_scatter``'s error instead; else returns 0."""
-    bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, out.shape[0])
+    bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, out.shape[0], starts, has_starts)
     if strict and (bad_off or bad_rows):
         return 1
     error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
-    _scatter_rows(flat, offsets, rpi, out, lens, has_lens)
+    _scatter_rows(flat, offsets, rpi, out, lens, has_lens, starts, has_starts)
     return 0
 
 
@@ -511,13 +517,15 @@ def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict):
 # needs no strides, and a non-contiguous batch array is refused at the call (TypeError) before
 # anything runs; tables (page table, truth, pool_out), KV sources and held slots take any layout
 _CHECK_SIG = ("int64(int64[:, ::1], int64[::1], int64[::1], int64[::1], int32[:, :], int64[::1], int64[::1], "
-              "int64[::1], int32[:, :], int64[::1], int64[::1], int64[::1], int64[::1], int64[:], int64[:, ::1], "
+              "int64[::1], int32[:, :], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[:], "
+              "int64[:, ::1], "
               "int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], int32[:], int64[:, ::1], "
               "int64[::1], int64, int64, int64, int64, int64)")
 _VERIFY_SIG = ("void(int64[:, ::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
                "int64[::1], int32[::1], int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], "
                "int32[:], int64[:, ::1], int64[::1], int64, int64, int64)")
-_SCATTER_SIG = "int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1], int64[::1], boolean, boolean)"
+_SCATTER_SIG = ("int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1], int64[::1], boolean, boolean, "
+                "int64[::1], boolean)")
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 INLINED = ("_mix", "_link", "_translate", "_entry_check")

@@ -220,8 +220,7 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
     length, and (host tensors only) bad offsets, starts or rows. ``error_flag`` is int32[1],
     allocated when not given; pass a preallocated one inside CUDA-graph capture. ``lens_out``
     (int64[>= bs], optional) receives each request's length (its start plus its segment).
-    ``starts`` (int64[bs], optional): the column each segment starts at (an append). On the CPU
-    an append takes the torch path (the compiled CPU kernel writes whole rows only).
+    ``starts`` (int64[bs], optional): the column each segment starts at (an append).
     """
     device = validate_scatter(flat_in, offsets, req_pool_indices, pool_out, starts)
     if error_flag is None:
@@ -237,8 +236,8 @@ def scatter_req_token_ids(*, flat_in: torch.Tensor, offsets: torch.Tensor, req_p
         if lens_out.shape[0] < req_pool_indices.shape[0]:
             raise InputError(f"lens_out length {lens_out.shape[0]} < bs ({req_pool_indices.shape[0]}); "
                              "pass one int64 per request")
-    if starts is None and use_numba(backend, device):
-        _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out)
+    if use_numba(backend, device):
+        _cpu.scatter(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out, starts)
         return error_flag
     scatter_validated(flat_in, offsets, req_pool_indices, pool_out, error_flag, lens_out,
                       use_triton(backend, device), starts)

@@ -80,10 +80,10 @@ class CpuForward:
         return self._arrays
 
     def defer_scatter(self, b: ForwardBatch) -> bool:
-        """Leave ``b``'s truth scatter to its HEAD (``check``), which makes it in the same compiled
-        call; False where this path does not serve (the caller scatters now): appends
-        (``truth_starts``) too, which the compiled call does not make."""
-        if self.bound is None or b.truth_starts is not None:
+        """Leave ``b``'s truth scatter (whole histories, or appends: ``truth_starts``) to its HEAD
+        (``check``), which makes it in the same compiled call; False where this path does not
+        serve (the caller scatters now)."""
+        if self.bound is None:
             return False
         self._scatter_for = b
         return True
@@ -109,7 +109,8 @@ class CpuForward:
         scatter = None
         if pending is b:
             try:
-                scatter = (b.truth_ids.numpy(), b.truth_offsets.numpy())
+                scatter = (b.truth_ids.numpy(), b.truth_offsets.numpy(),
+                           None if b.truth_starts is None else b.truth_starts.numpy())
             except (TypeError, RuntimeError):
                 return False
         elif pending is not None:  # another batch's: its rows are rewritten by any batch that reads them
