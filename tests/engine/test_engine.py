@@ -39,9 +39,11 @@ def check_batch(engine, batch: ForwardBatch) -> None:
         positions = batch.positions[s : s + n]
         assert torch.equal(positions, p + torch.arange(n))
         assert torch.equal(batch.out_cache_loc[s : s + n], batch.req_to_token[row, positions].long())
-        truth = batch.truth_ids[int(offsets[r]) : int(offsets[r + 1])]
-        assert torch.equal(batch.input_ids[s : s + n], truth[p : p + n])
-        assert truth.tolist() == engine.requests[batch.request_ids[r]].token_ids
+        # the truth: the request's whole history, or (appends) the rest of it from its start
+        truth = batch.truth_ids[int(offsets[r]) : int(offsets[r + 1])].tolist()
+        first = int(batch.truth_starts[r]) if batch.truth_starts is not None else 0
+        history = engine.requests[batch.request_ids[r]].token_ids
+        assert truth == history[first:] and batch.input_ids[s : s + n].tolist() == history[p : p + n]
     assert bool((batch.out_cache_loc >= engine.config.page_size).all()), "a write into the reserved page"
     assert batch.out_cache_loc.unique().numel() == num_tokens, "two tokens written to one slot"
 
@@ -52,9 +54,11 @@ def test_every_forward_batch_is_consistent(page_size):
     engine = make_engine(
         hooks=hooks, page_size=page_size, chunk_size=7, max_tokens_per_step=30, num_slots=128
     )
-    hooks.on_before = lambda batch: check_batch(engine, batch)
+    appends = []
+    hooks.on_before = lambda batch: (check_batch(engine, batch), appends.append(batch.truth_starts is not None))
     engine.generate(random_prompts(seed=20, num=8, prefix_len=9), 6)
     assert hooks.names().count("before_forward") == engine.stats.num_steps > 0
+    assert set(appends) == {True, False}  # decode batches of appends, and whole histories
 
 
 class _Quiet(RecordingHooks):

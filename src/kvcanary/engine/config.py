@@ -146,8 +146,9 @@ class EngineConfig:
     per size of ``graph_batch_sizes``, and replay them (``kvcanary.engine.cuda_graph``).
     ``truth_appends``: a decode batch hands its token truth as appends (``ForwardBatch.truth_starts``:
     each request's one new token) where every request's row already holds the rest of its history;
-    else every request's whole history, as every other batch does. None (default): on CUDA only
-    (there a graph captures the append; on the CPU the whole history goes into HEAD's compiled call).
+    else every request's whole history, as every other batch does. None (default): on (on CUDA a
+    graph captures the append; on the CPU HEAD's compiled call makes it, one token a request
+    instead of every history whole).
     ``jitter_ns``: spin-waits of up to this many ns at four fixed points of every forward, drawn
     per step from ``jitter_seed`` (GPU only: ``kvcanary.runtime.jitter``); 0 = off.
     ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
@@ -237,7 +238,7 @@ class EngineConfig:
     @property
     def appends_truth(self) -> bool:
         """Whether decode batches hand their token truth as appends (``truth_appends``)."""
-        return _device_type(self.device) == "cuda" if self.truth_appends is None else self.truth_appends
+        return True if self.truth_appends is None else self.truth_appends
 
     @property
     def num_pages(self) -> int:
