@@ -370,3 +370,27 @@ def test_every_launch_shape_is_one_a_warm_up_compiles():
             assert split * block >= min(mean, 64 * block), (bs, mean, split, block)
             seen.add((block, warps))
     assert seen == set(SCATTER_VARIANTS)
+
+
+def test_the_compiled_scatter_reads_nothing_past_arrays_of_the_wrong_length():
+    """Called directly with offsets, starts or lengths shorter than the batch (the op checks them
+    first), the compiled scatter writes nothing; short offsets or starts are flagged as bad
+    offsets."""
+    import numpy as np
+
+    from kvcanary.ops import _cpu
+    from kvcanary.ops.backend import cpu_kernels_usable
+
+    if not cpu_kernels_usable():
+        pytest.skip("numba does not serve here")
+    k = _cpu.kernel("scatter")
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    for offsets, starts, lens, flagged in ((i64(0, 2), i64(0, 1), i64(0, 0), True),
+                                           (i64(0, 2, 4), i64(1), i64(0, 0), True),
+                                           (i64(0, 2, 4), i64(0, 1), i64(0), False)):
+        out, err = np.full((4, 6), -7, dtype=np.int32), np.zeros(1, dtype=np.int32)
+        assert k(i64(5, 6, 7, 8), offsets, i64(1, 2), out, err, lens, True, False, starts, True) == 0
+        assert bool(err[0] & 1) is flagged and (out == -7).all()
+    out, err = np.full((4, 6), -7, dtype=np.int32), np.zeros(1, dtype=np.int32)  # the right lengths: written
+    assert k(i64(5, 6, 7, 8), i64(0, 2, 4), i64(1, 2), out, err, i64(0, 0), True, False, i64(0, 1), True) == 0
+    assert err[0] == 0 and out[1, :2].tolist() == [5, 6] and out[2, 1:3].tolist() == [7, 8]

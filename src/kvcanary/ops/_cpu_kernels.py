@@ -509,6 +509,9 @@ def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict, starts
     if strict and (bad_off or bad_rows):
         return 1
     error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
+    bs = rpi.shape[0]
+    if offsets.shape[0] != bs + 1 or (has_starts and starts.shape[0] != bs) or (has_lens and lens.shape[0] < bs):
+        return 0  # arrays of the wrong length (the op checks them first): flagged, nothing read past them
     _scatter_rows(flat, offsets, rpi, out, lens, has_lens, starts, has_starts)
     return 0
 
