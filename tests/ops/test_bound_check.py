@@ -208,6 +208,72 @@ def test_a_head_that_scatters_the_truth_gives_the_scatter_then_check_forwards_by
         assert_same(f"{name} (HEAD scattering the truth)", got[True][name], want)
 
 
+def appends(w: dict, gen: torch.Generator, extra: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's truth as an append: from a random column up to its length, the row's tokens
+    from there to its length, then up to ``extra`` random tokens more (some past the table's
+    width); flat, their offsets and their starts. Requests on one row take slices of one sequence,
+    so where two write a column they write one value (``histories``)."""
+    rows, lens = w["req_pool_indices"].tolist(), [max(n, 0) for n in w["truth_lens"].tolist()]
+    longest = {row: max(n for r, n in zip(rows, lens, strict=True) if r == row) for row in rows}
+    tokens = {row: torch.cat([w["truth"][row, :n].long(), torch.randint(0, 1 << 20, (extra,), generator=gen)])
+              for row, n in longest.items()}
+    starts = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens]
+    parts = [tokens[row][s: n + int(torch.randint(0, extra + 1, (1,), generator=gen))]
+             for row, n, s in zip(rows, lens, starts, strict=True)]
+    offsets = torch.tensor([0] + [len(p) for p in parts]).cumsum(0)
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)), offsets, torch.tensor(starts)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), min_size=1, max_size=4),
+       mode=st.sampled_from(MODES), corrupt=st.sampled_from([0.0, 0.2]), lut=st.booleans(),
+       window=st.sampled_from([0, 3]), damage=st.sampled_from(["none", "ends", "backwards", "start"]),
+       extra=st.integers(0, 40))
+def test_a_head_that_appends_the_truth_gives_the_scatter_then_check_forwards_bytes(seed, lens, mode, corrupt, lut,
+                                                                                  window, damage, extra):
+    """HEAD with ``truth_starts`` (appends: each request's truth from a column on, the columns
+    before it kept) leaves what the scatter with those starts (torch path) then ``check_forward``
+    (torch path) leave: records, ring, counters, marks' verdicts, the truth table, the lengths
+    and the error flags, bad offsets and a negative start included (flagged, not written)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=True, corrupt=corrupt,
+                   lut=lut, window=window, stamp=True, tag=2)
+    bs, n = w["req_pool_indices"].shape[0], w["input_ids"].shape[0]
+    flat, offsets, starts = appends(w, gen, extra)
+    r = int(torch.randint(0, bs, (1,), generator=gen))
+    if damage == "ends":
+        offsets[-1] += 1
+    elif damage == "backwards":
+        offsets[r + 1] = offsets[r] - 1
+    elif damage == "start":
+        starts[r] = -int(torch.randint(1, 1 << 40, (1,), generator=gen))
+    # the columns an append keeps: the row's own truth, random past it
+    table = torch.where(w["truth"] != 0, w["truth"], torch.randint(-5, 1 << 20, w["truth"].shape, generator=gen,
+                                                                   dtype=torch.int32))
+    stale_lens = torch.randint(0, 1 << 20, (bs + 1,), generator=gen)
+    got = {}
+    for fused in (False, True):
+        state = state_of(w, bs + 1, n + 1)
+        sources = on_device(w["sources"], DEV)
+        batch = {k: on_device(w[k], DEV) for k in BATCH}
+        truth, truth_lens = table.clone().to(DEV), stale_lens.clone().to(DEV)
+        held, lut_t = on_device(w["held"], DEV), on_device(w["lut"], DEV)
+        tids, toffs, tstarts = flat.to(DEV), offsets.to(DEV), starts.to(DEV)
+        if fused:
+            check = BoundCheck(state, stamp=True, sources=sources, mode=mode, window=window, truth=truth,
+                               truth_lens=truth_lens)
+            assert check(*batch.values(), tag=2, truth=True, lut=lut_t, held=held, truth_ids=tids,
+                         truth_offsets=toffs, truth_starts=tstarts)
+        else:
+            _scatter_torch(tids, toffs, batch["req_pool_indices"], truth, state.error, truth_lens, tstarts)
+            check_forward(state=state, **batch, tag=2, stamp=True, truth=truth, truth_lens=truth_lens[:bs],
+                          sources=sources, mode=mode, lut=lut_t, window=window, held=held, backend=Backend.TORCH)
+        got[fused] = outputs(state, sources) | dict(truth=truth.clone(), lens=truth_lens[:bs].clone(),
+                                                    error=state.error.clone())
+    for name, want in got[False].items():
+        assert_same(f"{name} (HEAD appending the truth)", got[True][name], want)
+
+
 def test_truth_histories_go_to_head_with_truth_and_together():
     w = world()
     state = state_of(w, 2, 8)
@@ -228,7 +294,14 @@ def test_truth_histories_go_to_head_with_truth_and_together():
     assert not head(*batch.values(), tag=0, truth=True, truth_ids=flat.to(DEV), truth_offsets=offsets[:-1].to(DEV))
     assert not head(*batch.values(), tag=0, truth=True, truth_ids=flat.to(DEV, torch.int32),
                     truth_offsets=offsets.to(DEV))
+    bs = offsets.shape[0] - 1  # starts of another batch size, or not int64: refused, nothing launched
+    assert not head(*batch.values(), tag=0, truth=True, truth_ids=flat.to(DEV), truth_offsets=offsets.to(DEV),
+                    truth_starts=torch.zeros(bs + 1, dtype=torch.int64, device=DEV))
+    assert not head(*batch.values(), tag=0, truth=True, truth_ids=flat.to(DEV), truth_offsets=offsets.to(DEV),
+                    truth_starts=torch.zeros(bs, dtype=torch.int32, device=DEV))
     assert_same("truth after refused calls", truth, before)
+    with pytest.raises(InputError, match="truth_starts needs truth_ids and truth_offsets"):
+        head(*batch.values(), tag=0, truth=True, truth_starts=torch.zeros(bs, dtype=torch.int64, device=DEV))
 
 
 def test_publish_needs_a_publication_and_one_the_counter_block_fits():

@@ -208,35 +208,42 @@ def _offsets(rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, woff_ptr, seed_p
 
 
 @triton.jit
-def _scatter_around(tids_ptr, toff_ptr, n_tids, truth_ptr, tlen_ptr, err_ptr, raw_row, r, s, split, rows,
-                    truth_stride, truth_width, skip_lo, skip_hi, BLOCK: tl.constexpr):
-    """Request r's part of the truth scatter (``scatter_req_token_ids``, whole histories) that split
-    s of its verifiers makes: truth[row, q] = tids[start + q] for q < cnt outside [skip_lo, skip_hi)
-    (the positions its own verify loop scatters, each just before it reads them); split 0 writes
-    the request's length and raises its error flags, as the scatter's program for r does.
-    Returns (start, cnt, the length)."""
+def _scatter_around(tids_ptr, toff_ptr, tstarts_ptr, n_tids, truth_ptr, tlen_ptr, err_ptr, raw_row, r, s, split,
+                    rows, truth_stride, truth_width, skip_lo, skip_hi, BLOCK: tl.constexpr,
+                    HAS_STARTS: tl.constexpr):
+    """Request r's part of the truth scatter (``scatter_req_token_ids``) that split s of its
+    verifiers makes: truth[row, a + q] = tids[start + q] for q < cnt, a = starts[r] (HAS_STARTS,
+    appends; else 0, whole histories), outside the columns [skip_lo, skip_hi) (the positions its
+    own verify loop scatters, each just before it reads them); split 0 writes the request's
+    length (a + its segment) and raises its error flags, as the scatter's program for r does.
+    Returns (start - a: the segment's index of column 0, a, a + cnt, the length)."""
     start = tl.load(toff_ptr + r)
     end = tl.load(toff_ptr + r + 1)
-    ok = (start >= 0) & (start <= end) & (end <= n_tids) & (raw_row >= 0) & (raw_row < rows)
-    cnt = tl.where(ok, tl.maximum(tl.minimum(end - start, truth_width), 0), 0)
+    first = tl.zeros_like(start)
+    if HAS_STARTS:
+        first = tl.load(tstarts_ptr + r)
+    ok = (start >= 0) & (start <= end) & (end <= n_tids) & (raw_row >= 0) & (raw_row < rows) & (first >= 0)
+    cnt = tl.where(ok, tl.maximum(tl.minimum(end - start, truth_width - first), 0), 0)
     if s == 0:
-        tl.store(tlen_ptr + r, end - start)
-        code = (end < start).to(tl.int32) + ((raw_row < 0) | (raw_row >= rows)).to(tl.int32) * 2
+        tl.store(tlen_ptr + r, first + end - start)
+        code = ((end < start) | (first < 0)).to(tl.int32) + ((raw_row < 0) | (raw_row >= rows)).to(tl.int32) * 2
         if code != 0:
             tl.atomic_or(err_ptr, code, sem="relaxed")
-    dst = truth_ptr + tl.minimum(tl.maximum(raw_row, 0), rows - 1) * truth_stride
+    dst = truth_ptr + tl.minimum(tl.maximum(raw_row, 0), rows - 1) * truth_stride + first
+    src = tids_ptr + start
     lane = tl.arange(0, BLOCK).to(tl.int64)
-    below = tl.minimum(skip_lo, cnt)
+    below = tl.minimum(tl.maximum(skip_lo - first, 0), cnt)  # the segment's part before the skipped columns
+    past = tl.minimum(tl.maximum(skip_hi - first, 0), cnt)  # ... and where its part after them begins
     for base in range(s * BLOCK, below, split * BLOCK):
         q = base + lane
         mq = q < below
-        tl.store(dst + q, tl.load(tids_ptr + start + q, mask=mq, other=0).to(tl.int32), mask=mq)
-    above = cnt - skip_hi
+        tl.store(dst + q, tl.load(src + q, mask=mq, other=0).to(tl.int32), mask=mq)
+    above = cnt - past
     for base in range(s * BLOCK, above, split * BLOCK):
-        q = skip_hi + base + lane
+        q = past + base + lane
         mq = base + lane < above
-        tl.store(dst + q, tl.load(tids_ptr + start + q, mask=mq, other=0).to(tl.int32), mask=mq)
-    return start, cnt, end - start
+        tl.store(dst + q, tl.load(src + q, mask=mq, other=0).to(tl.int32), mask=mq)
+    return start - first, first, first + cnt, first + end - start
 
 
 @triton.jit
@@ -244,9 +251,9 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
                     marks_ptr, mkey, stats_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves, r, s,
                     split, rows,
                     max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
-                    tids_ptr, toff_ptr, n_tids, err_ptr,
+                    tids_ptr, toff_ptr, tstarts_ptr, n_tids, err_ptr,
                     HAS_LUT: tl.constexpr, HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
-                    BLOCK_W: tl.constexpr, MARK: tl.constexpr, SCATTER: tl.constexpr):
+                    BLOCK_W: tl.constexpr, MARK: tl.constexpr, SCATTER: tl.constexpr, HAS_STARTS: tl.constexpr):
     """Verify request r's prefix entries of split s: ``verify`` on the entries ``build_plan`` makes;
     with ``SCATTER``, the request's truth scatter first (``_scatter_around``; each position the
     loop verifies is scattered by the same program, lane and thread just before it is read)."""
@@ -259,11 +266,13 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         lo = tl.maximum(p_end - window, 0)
     n = tl.where(active, p_end - lo, 0)
     tlen = tl.zeros_like(p_end)
-    start = tl.zeros_like(p_end)
-    cnt = tl.zeros_like(p_end)
+    base_id = tl.zeros_like(p_end)  # the segment's index of column 0: column c's token is tids[base_id + c]
+    col_lo = tl.zeros_like(p_end)  # the columns [col_lo, col_hi) the segment writes
+    col_hi = tl.zeros_like(p_end)
     if SCATTER:
-        start, cnt, tlen = _scatter_around(tids_ptr, toff_ptr, n_tids, truth_ptr, tlen_ptr, err_ptr, raw_row, r, s,
-                                           split, rows, truth_stride, truth_width, lo, lo + n, BLOCK)
+        base_id, col_lo, col_hi, tlen = _scatter_around(tids_ptr, toff_ptr, tstarts_ptr, n_tids, truth_ptr, tlen_ptr,
+                                                        err_ptr, raw_row, r, s, split, rows, truth_stride,
+                                                        truth_width, lo, lo + n, BLOCK, HAS_STARTS)
     elif HAS_TRUTH:
         tlen = tl.load(tlen_ptr + r)
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -273,9 +282,9 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
         p = lo + base + lane
         p = tl.minimum(tl.maximum(p, 0), max_ctx - 1)
         if SCATTER:
-            sm = m & (p < cnt)
+            sm = m & (p >= col_lo) & (p < col_hi)
             tl.store(truth_ptr + row * truth_stride + p,
-                     tl.load(tids_ptr + start + p, mask=sm, other=0).to(tl.int32), mask=sm)
+                     tl.load(tids_ptr + base_id + p, mask=sm, other=0).to(tl.int32), mask=sm)
         # the plan stores slots, positions and tokens as int32
         entry = tl.load(rtt_ptr + row * rtt_stride + p, mask=m, other=0).to(tl.int64)
         slot = _translate(entry, lut_ptr, lut_len, HAS_LUT)
@@ -430,12 +439,13 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
                   flag_ptr, marks_ptr, mepoch_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, meta_ptr, tags_ptr, halves,
                   window, num_slots, ring_cap, max_spins, pub_seq_ptr, pub_rows_ptr, pub_num_rows,
                   rpi_ptr, prefix_ptr, extend_ptr, rtt_ptr, lut_ptr, truth_ptr, tlen_ptr, ids_ptr, pos_ptr, loc_ptr,
-                  held_ptr, tids_ptr, toff_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride, truth_width,
+                  held_ptr, tids_ptr, toff_ptr, tstarts_ptr, n, bs, rows, max_ctx, rtt_stride, lut_len, truth_stride,
+                  truth_width,
                   tag, split, n_verify, grid, n_held, n_tids, STAMP: tl.constexpr, HAS_LUT: tl.constexpr,
                   HAS_TRUTH: tl.constexpr, NUM_SOURCES: tl.constexpr, VERIFY_SOURCES: tl.constexpr,
                   HALVES: tl.constexpr, NBITS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_T: tl.constexpr, PUBLISH: tl.constexpr, PUB_W: tl.constexpr, PUB_BLOCK: tl.constexpr,
-                  FENCE: tl.constexpr, SCATTER: tl.constexpr):
+                  FENCE: tl.constexpr, SCATTER: tl.constexpr, HAS_STARTS: tl.constexpr):
     ticket = tl.atomic_add(sync_ptr + 0, 1)
     if ticket == grid - 1:  # every program holds its ticket: ready for the next launch
         tl.atomic_xchg(sync_ptr + 0, 0)
@@ -464,8 +474,8 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
                         v // split, v % split,
                         split, rows,
                         max_ctx, rtt_stride, lut_len, truth_stride, truth_width, window, num_slots, ring_cap, tag,
-                        tids_ptr, toff_ptr, n_tids, err_ptr,
-                        HAS_LUT, HAS_TRUTH, VERIFY_SOURCES, BLOCK_V, BLOCK_W, STAMP, SCATTER)
+                        tids_ptr, toff_ptr, tstarts_ptr, n_tids, err_ptr,
+                        HAS_LUT, HAS_TRUTH, VERIFY_SOURCES, BLOCK_V, BLOCK_W, STAMP, SCATTER, HAS_STARTS)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
@@ -590,26 +600,29 @@ class _CheckLaunch:
             NBITS=num_bits(ws.max_bs),  # the workspace's capacity, not bs: one variant for every batch size
             BLOCK_V=self.block_v, BLOCK_W=block_words(fp_sources, mode) if fp_sources else 4, BLOCK_T=self.block_t,
             PUBLISH=False, PUB_W=COUNTER_BLOCK_WORDS, PUB_BLOCK=triton.next_power_of_2(COUNTER_BLOCK_WORDS),
-            FENCE=self.cuda, SCATTER=False)
+            FENCE=self.cuda, SCATTER=False, HAS_STARTS=False)
         self._variants: dict = {}  # a launch's variant -> its constexprs (``_constexprs``)
         self._splits: dict = {}  # (bs, max_ctx) -> ``verify_split``'s programs a request
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
-               publish: bool = False, truth_ids=None, truth_offsets=None) -> None:
+               publish: bool = False, truth_ids=None, truth_offsets=None, truth_starts=None) -> None:
         rows, max_ctx = rtt.shape
         self.launch_laid(self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held,
-                                      truth_ids, truth_offsets),
+                                      truth_ids, truth_offsets, truth_starts),
                          lut is not None, truth is not None, held, tag,
                          (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None
-                          else 0), publish=publish, n_tids=truth_ids.shape[0] if truth_ids is not None else -1)
+                          else 0), publish=publish, n_tids=truth_ids.shape[0] if truth_ids is not None else -1,
+                         starts=truth_starts is not None)
 
     def launch_laid(self, tensors: tuple, has_lut: bool, has_truth: bool, held, tag: int, laid: tuple,
-                    addresses: list | None = None, publish: bool = False, n_tids: int = -1) -> None:
+                    addresses: list | None = None, publish: bool = False, n_tids: int = -1,
+                    starts: bool = False) -> None:
         """``launch`` of ``tensors`` (``tensors()``) with the batch's sizes read already: ``laid`` is
         (n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0); ``addresses``: the tensors'
         ``data_ptr()``, where the caller read them; ``publish``: the last program out publishes
         the counter block (``publication``, bound); ``n_tids`` >= 0: HEAD scatters the truth
-        histories ``tensors()`` holds (that many tokens) into the truth table first."""
+        ``tensors()`` holds (that many tokens) into the truth table first, as appends from the
+        start columns it holds where ``starts``, else as whole histories."""
         # memo lookups and arithmetic written out, not calls: between a model's launches each Python
         # call costs µs
         n, bs = laid[0], laid[1]
@@ -622,31 +635,34 @@ class _CheckLaunch:
         grid = 1 + n_verify + (-(-n // self.block_t) if self.writers else 0)  # cdiv
         truth_t = tensors[5]  # the truth table, or the page table in its place
         scatter = n_tids >= 0
-        variant = (has_lut, has_truth, held is not None, publish, scatter)
+        variant = (has_lut, has_truth, held is not None, publish, scatter, starts)
         constexprs = self._variants.get(variant)
         if constexprs is None:
-            constexprs = self._constexprs(has_lut, has_truth, publish, scatter)
+            constexprs = self._constexprs(has_lut, has_truth, publish, scatter, starts)
         launch_typed(_check_kernel, (grid,), tensors,
                      (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
                       held.shape[0] if held is not None else 0, n_tids if scatter else 0),
                      variant, constexprs, num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
 
     def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held,
-                truth_ids=None, truth_offsets=None) -> tuple:
-        """The kernel's thirteen per-launch tensors, in its order (an absent one's place taken by a
+                truth_ids=None, truth_offsets=None, truth_starts=None) -> tuple:
+        """The kernel's fourteen per-launch tensors, in its order (an absent one's place taken by a
         tensor of the same dtype the kernel does not read)."""
         return (rpi, prefix_lens, extend_lens, rtt, lut if lut is not None else self.seed,
                 truth if truth is not None else rtt, truth_lens if truth_lens is not None else prefix_lens,
                 ids, pos, loc, held if held is not None else self.sync,
                 truth_ids if truth_ids is not None else prefix_lens,
-                truth_offsets if truth_offsets is not None else prefix_lens)
+                truth_offsets if truth_offsets is not None else prefix_lens,
+                truth_starts if truth_starts is not None else prefix_lens)
 
-    def _constexprs(self, has_lut: bool, has_truth: bool, publish: bool = False, scatter: bool = False) -> dict:
+    def _constexprs(self, has_lut: bool, has_truth: bool, publish: bool = False, scatter: bool = False,
+                    starts: bool = False) -> dict:
         """The constexprs of a launch with these flags, kept in ``_variants`` under the launch's variant
         (the flags and whether slots are held, which changes no constexpr: both keys share one dict)."""
-        c = {**self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth, "PUBLISH": publish, "SCATTER": scatter}
+        c = {**self.constexprs, "HAS_LUT": has_lut, "HAS_TRUTH": has_truth, "PUBLISH": publish, "SCATTER": scatter,
+             "HAS_STARTS": starts}
         for held in (False, True):
-            c = self._variants.setdefault((has_lut, has_truth, held, publish, scatter), c)
+            c = self._variants.setdefault((has_lut, has_truth, held, publish, scatter, starts), c)
         return c
 
 
@@ -715,12 +731,13 @@ class BoundCheck:
     other program of the launch has counted: the launch and ``publish_counters`` after it in one
     (an eager TAIL hands ``end_step`` its counters without a launch of their own).
 
-    HEAD with the bound truth table also takes a batch's whole token histories (``truth_ids``,
-    ``truth_offsets``: ``scatter_req_token_ids``' ``flat_in`` and ``offsets``) and scatters them
-    into the table and its lengths inside its own launch: ``scatter_req_token_ids`` then the
-    check, in one launch. Each verifier program scatters its request's positions, those it
-    verifies just before it reads them; the writers wait for every verifier, as before. Two
-    requests on one page-table row leave the row as unspecified as the scatter does."""
+    HEAD with the bound truth table also takes a batch's token truth (``truth_ids``,
+    ``truth_offsets`` and, for appends, ``truth_starts``: ``scatter_req_token_ids``' ``flat_in``,
+    ``offsets`` and ``starts``) and scatters it into the table and its lengths inside its own
+    launch: ``scatter_req_token_ids`` then the check, in one launch. Each verifier program
+    scatters its request's positions, those it verifies just before it reads them; the writers
+    wait for every verifier, as before. Two requests on one page-table row leave the row as
+    unspecified as the scatter does."""
 
     def __init__(self, state: DeviceState, *, stamp: bool, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
                  meta: torch.Tensor | None = None, window: int = 0, marks: WriteMarks | None = None,
@@ -774,16 +791,19 @@ class BoundCheck:
                  req_to_token: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, *, tag: int, truth: bool = False, lut: torch.Tensor | None = None,
                  held: torch.Tensor | None = None, publish: bool = False, truth_ids: torch.Tensor | None = None,
-                 truth_offsets: torch.Tensor | None = None) -> bool:
+                 truth_offsets: torch.Tensor | None = None, truth_starts: torch.Tensor | None = None) -> bool:
         """HEAD (the bound ``stamp``) or TAIL of one batch, with the bound truth table when
         ``truth``, publishing the counter block when ``publish``, scattering ``truth_ids`` by
-        ``truth_offsets`` into the truth table first (HEAD with ``truth``); True when launched (see
-        the class doc)."""
+        ``truth_offsets`` (from the columns ``truth_starts``, appends, where given) into the truth
+        table first (HEAD with ``truth``); True when launched (see the class doc)."""
         if publish is not False and (publish is not True or self._launch.publication is None):
             raise InputError(f"publish must be True or False, got {publish!r}" if publish is not True else
                              "publish=True but this BoundCheck has no publication; bind one with "
                              "BoundCheck(..., publication=(seq, rows))")
         scatter = truth_ids is not None or truth_offsets is not None
+        if truth_starts is not None and not scatter:
+            raise InputError("truth_starts needs truth_ids and truth_offsets (appends are scattered by HEAD); "
+                             "got truth_ids None, truth_offsets None")
         if scatter and (truth_ids is None or truth_offsets is None or not self.stamp or truth is not True):
             raise InputError("truth_ids and truth_offsets go together, to HEAD (stamp=True) with truth=True; got "
                              f"truth_ids {'set' if truth_ids is not None else 'None'}, truth_offsets "
@@ -805,7 +825,9 @@ class BoundCheck:
         if scatter and not (isinstance(truth_ids, torch.Tensor) and truth_ids.dim() == 1
                             and vector_ok(truth_ids, truth_ids.shape[0], self.index)
                             and isinstance(req_pool_indices, torch.Tensor)
-                            and vector_ok(truth_offsets, req_pool_indices.shape[0] + 1, self.index)):
+                            and vector_ok(truth_offsets, req_pool_indices.shape[0] + 1, self.index)
+                            and (truth_starts is None or vector_ok(truth_starts, req_pool_indices.shape[0],
+                                                                   self.index))):
             return False
         if self.index < 0:  # a host batch: check_forward's value checks
             if not self._layout_ok(batch, lut, truth) or not self._host_ok(batch, truth_t, truth_lens, lut):
@@ -814,7 +836,8 @@ class BoundCheck:
         else:
             memo, tensors = self.memo, None
             if memo.holds(batch, lut, self.index):
-                tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held, truth_ids, truth_offsets)
+                tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held, truth_ids, truth_offsets,
+                                               truth_starts)
                 addresses = list(map(_ADDRESS, tensors))
                 laid = memo.laid(addresses, lut)
             else:
@@ -824,17 +847,19 @@ class BoundCheck:
                 if laid is None:
                     return False
                 if tensors is None:
-                    tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held, truth_ids, truth_offsets)
+                    tensors = self._launch.tensors(*batch, truth_t, truth_lens, lut, held, truth_ids, truth_offsets,
+                                                   truth_starts)
                     addresses = list(map(_ADDRESS, tensors))
                 memo.remember(batch, lut, addresses, self.index, laid)
             elif laid[1] > self.max_bs or laid[0] > self.max_tokens or (truth and self.truth.shape[0] != laid[2]):
                 return False
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
         if laid is None:
-            self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag, publish, truth_ids, truth_offsets)
+            self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag, publish, truth_ids, truth_offsets,
+                                truth_starts)
         else:
             self._launch.launch_laid(tensors, lut is not None, truth, held, tag, laid, addresses, publish,
-                                     truth_ids.shape[0] if scatter else -1)
+                                     truth_ids.shape[0] if scatter else -1, truth_starts is not None)
         return True
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:
