@@ -238,7 +238,10 @@ class Canary:
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
         # the last publication, an eager TAIL's, carries the counters: nothing launched since (``join``)
         self._tail_current = False
-        # CUDA: the batch whose whole-history truth scatter goes into its eager HEAD's launch (``prepare_head``)
+        # where HEAD is the Triton launch (CUDA, or the interpreter): the truth scatter is launched with
+        # HEAD, not by ``prepare_head`` (a captured forward appends inside its graph; an eager one's
+        # scatter goes into its HEAD's launch), and the batch whose scatter does so (``prepare_head``)
+        self._truth_with_head = dev.type == "cuda" or self.backend is Backend.TRITON
         self._scatter_for: ForwardBatch | None = None
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
         self.publishing = self.fused and dev.type == "cuda" and self.reporter.start_publishing()
@@ -299,16 +302,16 @@ class Canary:
     def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None, publish: bool = False,
                  scatter: bool = False) -> bool:
         """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``; ``publish``: TAIL
-        publishing the counters; ``scatter``: HEAD scattering ``b``'s truth histories first);
-        False (nothing launched): call ``check_forward``."""
+        publishing the counters; ``scatter``: HEAD scattering ``b``'s token truth first, whole
+        histories or appends); False (nothing launched): call ``check_forward``."""
         bound = self._bound
         if bound is None:
             return False
-        ids, offsets = (b.truth_ids, b.truth_offsets) if scatter else (None, None)
+        ids, offsets, starts = (b.truth_ids, b.truth_offsets, b.truth_starts) if scatter else (None, None, None)
         return bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids,
                              b.positions, b.out_cache_loc, tag=tag, truth=truth,
                              lut=b.slot_lut if self.window else None, held=held,
-                             publish=publish, truth_ids=ids, truth_offsets=offsets)
+                             publish=publish, truth_ids=ids, truth_offsets=offsets, truth_starts=starts)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
         """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``);
@@ -386,10 +389,10 @@ class Canary:
         Not capturable (its input sizes change every step); run it before a graph replay. On CUDA
         a batch of truth appends (``ForwardBatch.truth_starts``) is appended by ``launch_head``
         instead, inside the graph: its sizes are fixed. ``eager``: the caller launches this
-        batch's HEAD next, on the host (``launch_head``, not a graph replay); on CUDA its
-        whole-history scatter then goes into HEAD's own launch, one launch fewer. ``end_step``
-        raises KVCanaryError where no ``launch_head`` of the batch came (a replay read the table
-        without its histories)."""
+        batch's HEAD next, on the host (``launch_head``, not a graph replay); on CUDA its truth
+        scatter (whole histories or appends) then goes into HEAD's own launch, one launch fewer.
+        ``end_step`` raises KVCanaryError where no ``launch_head`` of the batch came (a replay
+        read the table without its histories)."""
         if type(eager) is not bool:
             raise KVCanaryError(f"prepare_head eager must be True or False, got {eager!r}")
         if not self.config.enabled:
@@ -403,7 +406,7 @@ class Canary:
         if self._scatter_for is not None:  # a forward that raised before its HEAD: its scatter, as it would have run
             self._scatter_pending()
         use_truth = self.config.truth and b.truth_offsets is not None  # ``_use_truth``, without its call
-        on_device = use_truth and self.truth.is_cuda
+        on_device = use_truth and self._truth_with_head
         if on_device:
             self._check_truth_batch(b)
         self._meta.batch = b
@@ -411,20 +414,21 @@ class Canary:
             self.incidents.note(self._meta.step, self._written(b), "rewritten")
         self.totals.forwards += 1  # here, not in tail: a graph replay runs launch_head and tail on the device only
         self._replays += 1  # until its TAIL runs eagerly
-        if on_device:  # one launch that also writes truth_lens; checked when built; appends: launch_head's
-            if b.truth_starts is None:
-                if eager and self._bound is not None and "head" in self._bound:
-                    self._scatter_for = b  # HEAD's launch scatters (or ``launch_head`` first, where it cannot)
-                else:
-                    self._scatter_device(b)
+        if on_device:  # one launch that also writes truth_lens; checked when built
+            if eager and self._bound is not None and "head" in self._bound:
+                self._scatter_for = b  # HEAD's launch scatters (or ``launch_head`` first, where it cannot)
+            elif b.truth_starts is None:  # appends: ``launch_head``'s, captured with the forward
+                self._scatter_device(b)
         elif use_truth and not (self.cpu is not None and self.cpu.defer_scatter(b)):  # CPU: in HEAD's call
             self._scatter_truth(b)
         self.totals.seconds += time.perf_counter() - t0
 
     def _scatter_device(self, b: ForwardBatch) -> None:
-        """CUDA: ``b``'s whole-history truth scatter, one launch that also writes truth_lens."""
+        """``b``'s truth scatter launched alone (HEAD the Triton launch; whole histories, or appends
+        where ``b`` has starts), one launch that also writes truth_lens; its tensors checked when
+        ``b`` was built and by ``_check_truth_batch``."""
         scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
-                          self.truth_lens, HAS_TRITON)
+                          self.truth_lens, HAS_TRITON, b.truth_starts)
 
     def _scatter_pending(self) -> None:
         """The scatter ``prepare_head`` left to a HEAD that is not taking it, launched now."""
@@ -436,12 +440,6 @@ class Canary:
         scatter_req_token_ids(flat_in=b.truth_ids, offsets=b.truth_offsets, req_pool_indices=b.req_pool_indices,
                               pool_out=self.truth, error_flag=self.state.error, lens_out=self.truth_lens,
                               starts=b.truth_starts)
-
-    def _append_truth(self, b: ForwardBatch) -> None:
-        """CUDA: a batch's truth appends, on the current stream ahead of HEAD's checks (fixed sizes
-        at a fixed batch size: captured with the forward, so a replay appends on the device)."""
-        scatter_validated(b.truth_ids, b.truth_offsets, b.req_pool_indices, self.truth, self.state.error,
-                          self.truth_lens, HAS_TRITON, b.truth_starts)
 
     def _cpu_check(self, b: ForwardBatch, tag: int, stamp: bool) -> bool:
         """HEAD or TAIL through the CPU path (``runtime.cpu_forward``); False: run the ops (the
@@ -479,7 +477,8 @@ class Canary:
         on_side = self.side is not None and (self.side_eager or capturing)
         # the scatter ``prepare_head`` left to this HEAD: in its launch where it runs eagerly on the model's
         # stream; else (another batch's, a side-stream or captured HEAD) launched first, as it would have been
-        fold = self._scatter_for is b and self.fused and not on_side and not capturing
+        given = self._scatter_for is b
+        fold = given and self.fused and not on_side and not capturing
         if self._scatter_for is not None and not fold:
             self._scatter_pending()
         if self.cpu is not None and self._cpu_check(b, tag, True):
@@ -487,9 +486,11 @@ class Canary:
             self.totals.seconds += time.perf_counter() - t0
             return
         truth = self.truth if self.config.truth and b.truth_offsets is not None else None
-        if truth is not None and b.truth_starts is not None and truth.is_cuda:
+        if truth is not None and b.truth_starts is not None and not given and self._truth_with_head:
+            # appends ``prepare_head`` left to the graph (a captured forward, or one it was not told is eager),
+            # on the current stream ahead of HEAD's checks: fixed sizes, so a replay appends on the device
             self.join()  # the last TAIL read the table
-            self._append_truth(b)
+            self._scatter_device(b)
         if on_side:
             self._launch_head_overlapped(b, tag, truth, capturing)
             self.totals.seconds += time.perf_counter() - t0

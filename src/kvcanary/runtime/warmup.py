@@ -10,7 +10,8 @@ empty batch (one padding request, nothing read, nothing written), so each varian
 | HEAD, TAIL (``launch_head``, ``tail``) | with and without token truth (truth on), the pool's window table; |
 |                                | with a side stream (``CanaryConfig.overlap``) both placements: eager and captured; |
 |                                | TAIL publishing the counters (eager) and not (captured); HEAD taking |
-|                                | its batch's truth scatter into its launch (eager, truth on, CUDA) |
+|                                | its batch's truth scatter into its launch (eager, truth on, CUDA: |
+|                                | whole histories and appends)                              |
 | the unfused ops (``fused=False``) | the same, at each batch size of a new bit length up to ``max_bs`` |
 | the truth scatter (truth on)   | each (block, warps) of ``SCATTER_VARIANTS``, whole histories and appends |
 | SWEEP (the plan's verify)      | one; on CUDA then captured with the plan's load, one graph per size class |
@@ -23,6 +24,7 @@ canary is indistinguishable from a fresh one.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -85,9 +87,11 @@ def warm_up(canary: Canary) -> float:
                 for bs in _batch_sizes(canary):
                     b = _empty_batch(canary, bs, truth)
                     canary.launch_head(b)
-                    if truth and canary.truth.is_cuda:  # an eager HEAD taking its whole-history scatter
-                        canary._scatter_for = b  # (``prepare_head(b, eager=True)`` without counting a forward)
-                        canary.launch_head(b)
+                    if truth and canary._truth_with_head:  # an eager HEAD taking its truth scatter:
+                        # whole histories, then appends (``prepare_head(b, eager=True)`` without counting a forward)
+                        for fold in (b, dataclasses.replace(b, truth_starts=b.prefix_lens)):
+                            canary._scatter_for = fold
+                            canary.launch_head(fold)
                     for canary.publishing in publishing:
                         canary.tail(b)
     finally:
