@@ -48,17 +48,26 @@ def check_batch(engine, batch: ForwardBatch) -> None:
     assert batch.out_cache_loc.unique().numel() == num_tokens, "two tokens written to one slot"
 
 
+@pytest.mark.parametrize("truth_appends", [None, False])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_every_forward_batch_is_consistent(page_size):
+def test_every_forward_batch_is_consistent(page_size, truth_appends):
     hooks = RecordingHooks()
     engine = make_engine(
-        hooks=hooks, page_size=page_size, chunk_size=7, max_tokens_per_step=30, num_slots=128
+        hooks=hooks, page_size=page_size, chunk_size=7, max_tokens_per_step=30, num_slots=128,
+        truth_appends=truth_appends,
     )
-    appends = []
-    hooks.on_before = lambda batch: (check_batch(engine, batch), appends.append(batch.truth_starts is not None))
+    starts = []
+    hooks.on_before = lambda batch: (check_batch(engine, batch), starts.append(
+        None if batch.truth_starts is None else batch.truth_starts.tolist()))
     engine.generate(random_prompts(seed=20, num=8, prefix_len=9), 6)
     assert hooks.names().count("before_forward") == engine.stats.num_steps > 0
-    assert set(appends) == {True, False}  # decode batches of appends, and whole histories
+    if truth_appends is False:  # whole histories at every step
+        assert set(starts) == {None}
+        return
+    # appends at every step: batches with a new row's whole history (from column 0), and batches
+    # whose every request sends only what its row lacks
+    assert None not in starts
+    assert any(0 in s for s in starts) and any(min(s) > 0 for s in starts)
 
 
 class _Quiet(RecordingHooks):

@@ -1,7 +1,7 @@
-"""Token truth as appends (``EngineConfig.truth_appends``, ``ForwardBatch.truth_starts``): decode
-batches hand each request's one new token, and the canary's truth table must hold, at every
-step, what whole histories would have written; a row given to a new request starts again from
-its whole history."""
+"""Token truth as appends (``EngineConfig.truth_appends``, ``ForwardBatch.truth_starts``): each
+batch hands each request's history from what its row's truth holds on (a decode batch: one new
+token a request), and the canary's truth table must hold, at every step, what whole histories
+would have written; a row given to a new request starts again from its whole history."""
 
 from __future__ import annotations
 
@@ -62,26 +62,38 @@ def _request(rid: int, row: int, prompt: list[int], outputs: list[int], truth_le
     return req
 
 
-def test_a_decode_batch_appends_only_where_every_row_holds_its_history():
+def test_a_batch_appends_what_each_row_lacks():
     table = torch.zeros(4, 16, dtype=torch.int32)
     a = _request(1, 1, [11, 12, 13], [14, 15], truth_len=4)
     b = _request(2, 3, [21, 22], [23], truth_len=2)
     batch = build_forward_batch([(a, 1), (b, 1)], table, num_padding=1, appends=True)
     assert batch.truth_starts.tolist() == [4, 2, 0] and batch.truth_ids.tolist() == [15, 23, 0]
     assert batch.truth_offsets.tolist() == [0, 1, 2, 3] and (a.truth_len, b.truth_len) == (5, 3)
-    # a request re-admitted into a new row (truth_len 0) with all but one token cached: whole histories
+    # a request re-admitted into a new row (truth_len 0) with all but one token cached: its whole
+    # history from column 0, beside the other's one new token
     c = _request(3, 2, [31, 32, 33], [34], truth_len=0)
     a.output_ids.append(16)
     a.num_cached += 1
     batch = build_forward_batch([(a, 1), (c, 1)], table, appends=True)
-    assert batch.truth_starts is None
-    assert batch.truth_ids.tolist() == [11, 12, 13, 14, 15, 16, 31, 32, 33, 34]
-    assert (a.truth_len, c.truth_len) == (6, 4)
-    # drafts, or appends off: whole histories
+    assert batch.truth_starts.tolist() == [5, 0] and batch.truth_offsets.tolist() == [0, 1, 5]
+    assert batch.truth_ids.tolist() == [16, 31, 32, 33, 34] and (a.truth_len, c.truth_len) == (6, 4)
+    # a prefill chunk after the first: its history (the whole prompt) went with the first chunk
+    d = Request(4, [41, 42, 43, 44, 45], 8, row=3)
+    first = build_forward_batch([(d, 3)], table, appends=True)
+    assert first.truth_starts.tolist() == [0] and first.truth_ids.tolist() == [41, 42, 43, 44, 45]
+    d.num_cached = 3
+    rest = build_forward_batch([(d, 2)], table, appends=True)
+    assert rest.truth_starts.tolist() == [5] and rest.truth_ids.tolist() == [] and d.truth_len == 5
+    # drafts: the history without them, as whole histories; a row said to hold more than the
+    # history (never, unless its bookkeeping broke): the whole history again
     a.draft_ids = [99]
-    assert build_forward_batch([(a, 2)], table, appends=True).truth_starts is None
+    c.output_ids.append(35)
+    c.num_cached += 1
+    c.truth_len = 9
+    batch = build_forward_batch([(a, 2), (c, 1)], table, appends=True)
+    assert batch.truth_starts.tolist() == [6, 0] and batch.truth_ids.tolist() == [31, 32, 33, 34, 35]
     a.draft_ids = []
-    assert build_forward_batch([(a, 1)], table).truth_starts is None
+    assert build_forward_batch([(a, 1)], table).truth_starts is None  # appends off: whole histories
 
 
 def test_decode_appends_make_no_copies_of_their_own():

@@ -144,11 +144,11 @@ class EngineConfig:
     layers (slot 0 reserved; 0 = sized by the pool, see ``kvcanary.engine.pool.window_pool_slots``).
     ``cuda_graph``: capture decode steps (canary HEAD + model + canary TAIL) in CUDA graphs, one
     per size of ``graph_batch_sizes``, and replay them (``kvcanary.engine.cuda_graph``).
-    ``truth_appends``: a decode batch hands its token truth as appends (``ForwardBatch.truth_starts``:
-    each request's one new token) where every request's row already holds the rest of its history;
-    else every request's whole history, as every other batch does. None (default): on (on CUDA a
-    graph captures the append; on the CPU HEAD's compiled call makes it, one token a request
-    instead of every history whole).
+    ``truth_appends``: every batch hands its token truth as appends (``ForwardBatch.truth_starts``):
+    each request's history from what its row's truth holds on, one new token a request for a
+    decode batch, the whole history for a row new to the request; False: every request's whole
+    history at every step. None (default): on (on CUDA a graph captures a decode batch's appends
+    and an eager HEAD takes them into its launch; on the CPU HEAD's compiled call makes them).
     ``jitter_ns``: spin-waits of up to this many ns at four fixed points of every forward, drawn
     per step from ``jitter_seed`` (GPU only: ``kvcanary.runtime.jitter``); 0 = off.
     ``bugs``: real-bug zoo switches (``kvcanary.engine.zoo.Bug`` or their
@@ -224,7 +224,7 @@ class EngineConfig:
              "False unless device is CUDA and graph_batch_sizes is non-empty",
              "decode steps are captured per padded batch size; pass device='cuda' and graph_batch_sizes"),
             ("truth_appends", lambda: self.truth_appends is None or isinstance(self.truth_appends, bool),
-             "None (on CUDA only) or a bool", "pass True, False or None"),
+             "None (on) or a bool", "pass True, False or None"),
             ("jitter_ns", lambda: type(self.jitter_ns) is int and self.jitter_ns >= 0, "an int >= 0",
              "pass 0 to disable the timing jitter"),
             ("bugs", lambda: _is_bug_set(self.bugs),

@@ -51,9 +51,11 @@ class DecodeGraphs:
 
     def eligible(self, batch: ForwardBatch) -> bool:
         """A decode-only batch (one token per request) of a captured or capturable size; with
-        ``appends``, one whose truth is appends (a batch with a row to fill runs eagerly)."""
+        ``appends``, one whose truth is appends of one token a request (a batch with a row to
+        fill runs eagerly)."""
         return (batch.batch_size in self.batch_sizes and batch.num_tokens == batch.batch_size
-                and (not self.appends or batch.truth_starts is not None))
+                and (not self.appends or (batch.truth_starts is not None
+                                          and batch.truth_ids.shape[0] == batch.batch_size)))
 
     def load(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> ForwardBatch | None:
         """Copy ``batch`` into its size's buffers and return the batch to replay (its host-side

@@ -6,11 +6,12 @@ written to slots ``req_to_token[row_r, p .. p + n - 1]``. A request's tokens are
 followed by its speculative drafts (``Request.draft_ids``). Padding requests (row 0, one token
 0 at position 0 each) go after the real ones; their writes land in ``padding_slot``.
 
-Token truth is each request's whole history (prompt + outputs), or, with ``appends`` and a
-decode batch whose every request's row holds its history up to the token it writes
-(``Request.truth_len == num_cached``), appends: that one token at ``truth_starts[r] =
-num_cached`` (a padding request appends token 0 at 0 of row 0, so the sizes stay fixed). Each
-request's ``truth_len`` then says how much of its history its row holds.
+Token truth is each request's whole history (prompt + outputs), or, with ``appends``, what its
+row's truth does not hold yet: its history from ``truth_starts[r] = Request.truth_len`` on (the
+whole history for a row new to it: ``truth_len`` 0). A decode batch whose every request's row
+holds its history up to the token it writes (``truth_len == num_cached``) appends that one
+token a request, with fixed sizes a graph can take (a padding request appends token 0 at 0 of
+row 0). Each request's ``truth_len`` then says how much of its history its row holds.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         truth_offsets, truth_starts = _counting(len(plan) + num_padding + 1, device), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
+    elif appends:  # each request's history from what its row holds on (all of it for a new row)
+        froms = [req.truth_len if req.truth_len <= req.num_tokens else 0 for req, _ in plan]
+        parts = [_history_from(req, start) for (req, _), start in zip(plan, froms, strict=True)]
+        truth_ids = as_tensor(list(itertools.chain.from_iterable(parts)))
+        truth_offsets = as_tensor([0, *itertools.accumulate(len(t) for t in parts), *[len(truth_ids)] * num_padding])
+        truth_starts = as_tensor(froms + pad)
+        for req, _ in plan:
+            req.truth_len = req.num_tokens
     else:
         histories = [req.token_ids for req, _ in plan] + [[]] * num_padding
         truth_ids = as_tensor(list(itertools.chain.from_iterable(histories)))
@@ -83,7 +92,9 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         truth_ids=None if truth_ids is None else truth_ids.to(device),
         truth_offsets=None if truth_offsets is None else truth_offsets.to(device),  # kept ones: already there
         request_ids=tuple(req.request_id for req, _ in plan) + (None,) * num_padding,
-        truth_starts=None if truth_starts is None else prefix_on_device,  # appends start where the prefix ends
+        # a decode batch's appends start where the prefix ends: the same device tensor
+        truth_starts=None if truth_starts is None else prefix_on_device if truth_starts is prefix_lens
+        else truth_starts.to(device),
     )
 
 
@@ -96,6 +107,12 @@ def _counting(n: int, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _COUNTING[n, device] = torch.arange(n, dtype=torch.int64, device=device)
     return t
+
+
+def _history_from(req, start: int) -> list[int]:
+    """``req.token_ids[start:]`` without building the whole history list."""
+    n = len(req.prompt_ids)
+    return req.output_ids[start - n:] if start >= n else req.prompt_ids[start:] + req.output_ids
 
 
 def _token_at(req, position: int) -> int:
