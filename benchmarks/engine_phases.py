@@ -94,6 +94,13 @@ def main(argv=None) -> None:
 
     gc.callbacks.append(collections_timed)
     engine_module.build_forward_batch = timed(engine_module.build_forward_batch, "build_forward_batch")
+    build = engine_module.build_forward_batch
+
+    def build_by_kind(plan, *a, **k):  # ... and again by kind: a decode batch, or one with a prefill in it
+        decode = all(n == 1 and req.num_cached >= len(req.prompt_ids) for req, n in plan)
+        return timed(build, "build_forward_batch, " + ("decode" if decode else "prefill or mixed"))(plan, *a, **k)
+
+    engine_module.build_forward_batch = build_by_kind
     canary_module.sweep_entries = timed(canary_module.sweep_entries, "sweep_entries")
     for n in ("_load_sweep_plan", "_staged", "_verify_sweep_plan"):
         setattr(canary_module.Canary, n, timed(getattr(canary_module.Canary, n), f"Canary.{n}"))
