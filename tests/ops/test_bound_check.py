@@ -227,14 +227,15 @@ def appends(w: dict, gen: torch.Generator, extra: int) -> tuple[torch.Tensor, to
 @settings(max_examples=10, deadline=None)
 @given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), min_size=1, max_size=4),
        mode=st.sampled_from(MODES), corrupt=st.sampled_from([0.0, 0.2]), lut=st.booleans(),
-       window=st.sampled_from([0, 3]), damage=st.sampled_from(["none", "ends", "backwards", "start"]),
+       window=st.sampled_from([0, 3]), damage=st.sampled_from(["none", "ends", "backwards", "start", "far"]),
        extra=st.integers(0, 40))
 def test_a_head_that_appends_the_truth_gives_the_scatter_then_check_forwards_bytes(seed, lens, mode, corrupt, lut,
                                                                                   window, damage, extra):
     """HEAD with ``truth_starts`` (appends: each request's truth from a column on, the columns
     before it kept) leaves what the scatter with those starts (torch path) then ``check_forward``
     (torch path) leave: records, ring, counters, marks' verdicts, the truth table, the lengths
-    and the error flags, bad offsets and a negative start included (flagged, not written)."""
+    and the error flags, bad offsets and a negative start included (flagged, not written), and a
+    start past the table's width (nothing written)."""
     gen = torch.Generator().manual_seed(seed)
     w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=True, corrupt=corrupt,
                    lut=lut, window=window, stamp=True, tag=2)
@@ -247,6 +248,8 @@ def test_a_head_that_appends_the_truth_gives_the_scatter_then_check_forwards_byt
         offsets[r + 1] = offsets[r] - 1
     elif damage == "start":
         starts[r] = -int(torch.randint(1, 1 << 40, (1,), generator=gen))
+    elif damage == "far":  # past the table's width: nothing of it written, its length still start + segment
+        starts[r] = int(torch.randint(w["truth"].shape[1], 1 << 62, (1,), generator=gen))
     # the columns an append keeps: the row's own truth, random past it
     table = torch.where(w["truth"] != 0, w["truth"], torch.randint(-5, 1 << 20, w["truth"].shape, generator=gen,
                                                                    dtype=torch.int32))
