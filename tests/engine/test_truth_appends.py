@@ -11,6 +11,7 @@ import torch
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine import Engine, ModelConfig
 from kvcanary.engine.canary_hooks import attach_canary
+from kvcanary.engine.cuda_graph import CapturedStep, DecodeGraphs
 from kvcanary.engine.forward_batch import build_forward_batch
 from kvcanary.engine.request import Request
 from kvcanary.ops.fingerprint import FingerprintMode
@@ -115,6 +116,50 @@ def test_decode_appends_make_no_copies_of_their_own():
     a.num_cached += 1
     alone = build_forward_batch([(a, 1)], table, appends=True)  # another size: its own kept offsets
     assert alone.truth_offsets.tolist() == [0, 1] and alone.truth_starts is alone.prefix_lens
+    # the ids went in one copy with the input ids: one storage, the truth's own 16-byte aligned part
+    for x in (batch, again, alone):
+        assert x.truth_ids.untyped_storage().data_ptr() == x.input_ids.untyped_storage().data_ptr()
+        assert x.truth_ids.data_ptr() % 16 == 0 and x.truth_ids.data_ptr() >= x.input_ids.data_ptr() + 8 * x.num_tokens
+    truth_before = alone.truth_ids.clone()
+    alone.input_ids[0] += 1  # a fault's write into the input ids leaves the truth as it was
+    assert torch.equal(alone.truth_ids, truth_before) and alone.truth_ids.tolist() == [16]
+
+
+def test_a_decode_graph_copies_only_the_appends_ids():
+    """A graph of decode appends reads its starts from its prefix-length buffer and its offsets
+    from the kept 0..bs, so a replay copies the appends' ids and nothing else of the truth; a
+    batch whose truth is not one token a request at its prefix end runs eagerly. (The buffers
+    and copies, without CUDA: the graph itself is left out.)"""
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    a = _request(1, 1, [11, 12, 13], [14], truth_len=3)
+    b = _request(2, 2, [21, 22], [23, 24], truth_len=3)
+    graphs = DecodeGraphs((3,), appends=True)
+    first = build_forward_batch([(a, 1), (b, 1)], table, num_padding=1, appends=True)
+    assert graphs.eligible(first)
+    fixed = graphs.fixed_buffers(first)
+    assert fixed.truth_starts is fixed.prefix_lens and fixed.truth_offsets is first.truth_offsets
+    graphs.captured[3] = CapturedStep(graph=None, batch=fixed, logits=torch.zeros(0))
+    for r, token in ((a, 15), (b, 25)):
+        r.output_ids.append(token)
+        r.num_cached += 1
+    second = build_forward_batch([(b, 1), (a, 1)], table, num_padding=1, appends=True)
+    copies = []
+    for name in ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc",
+                 "truth_ids", "truth_offsets"):
+        buffer = getattr(fixed, name)
+        copy = buffer.copy_
+        buffer.copy_ = lambda src, non_blocking=False, name=name, copy=copy: (copies.append(name), copy(src))[1]
+    replayed = graphs.load(second, device_step=None)
+    assert "truth_ids" in copies and "truth_offsets" not in copies and len(copies) == 7
+    for name in ("req_pool_indices", "prefix_lens", "input_ids", "truth_ids", "truth_offsets", "truth_starts"):
+        assert getattr(replayed, name) is getattr(fixed, name)
+        assert getattr(replayed, name).tolist() == getattr(second, name).tolist(), name
+    assert replayed.truth_starts.tolist() == [4, 4, 0] and replayed.truth_ids.tolist() == [25, 15, 0]
+    # a request re-admitted into a new row: its whole history, eagerly
+    c = _request(3, 3, [31, 32, 33], [34], truth_len=0)
+    assert not graphs.eligible(build_forward_batch([(a, 1), (c, 1)], table, num_padding=1, appends=True))
+    assert not DecodeGraphs((3,), appends=True).eligible(
+        build_forward_batch([(a, 1), (b, 1)], table, num_padding=1))  # whole histories: eager under appends
 
 
 def test_truth_starts_are_checked_on_construction():

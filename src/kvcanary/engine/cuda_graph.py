@@ -24,13 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.engine.forward_batch import counting
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.capture import collection_paused
 
 # the per-step tensors of a ForwardBatch a graph reads from fixed buffers
 STATIC_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
-# ... and, where decode batches hand their truth as appends (one token a request), its truth
-TRUTH_FIELDS = ("truth_ids", "truth_offsets", "truth_starts")
+# ... and, where decode batches hand their truth as appends (one token a request), its token ids:
+# the appends' starts are the batch's prefix lengths (in the graph, the same fixed buffer) and
+# their offsets 0..bs (the tensor ``forward_batch.counting`` keeps for the size, never written)
+TRUTH_FIELDS = ("truth_ids",)
 
 
 @dataclass
@@ -51,11 +54,13 @@ class DecodeGraphs:
 
     def eligible(self, batch: ForwardBatch) -> bool:
         """A decode-only batch (one token per request) of a captured or capturable size; with
-        ``appends``, one whose truth is appends of one token a request (a batch with a row to
-        fill runs eagerly)."""
+        ``appends``, one whose truth is one token a request appended where its prefix ends: its
+        starts are its prefix lengths' tensor and its offsets the kept 0..bs (a batch with a row
+        to fill runs eagerly)."""
         return (batch.batch_size in self.batch_sizes and batch.num_tokens == batch.batch_size
-                and (not self.appends or (batch.truth_starts is not None
-                                          and batch.truth_ids.shape[0] == batch.batch_size)))
+                and (not self.appends or (batch.truth_starts is batch.prefix_lens
+                                          and batch.truth_offsets is counting(batch.batch_size + 1,
+                                                                              batch.truth_offsets.device))))
 
     def load(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> ForwardBatch | None:
         """Copy ``batch`` into its size's buffers and return the batch to replay (its host-side
@@ -79,9 +84,18 @@ class DecodeGraphs:
         self.replays += 1
         return step.logits
 
+    def fixed_buffers(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch a graph of ``batch``'s size is captured on: fixed copies of the tensors
+        ``load`` refills (with ``appends``, the starts are the prefix lengths' buffer, the
+        offsets the kept 0..bs)."""
+        static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in self.fields})
+        if self.appends:  # the appends start where the prefix ends: the graph reads one buffer for both
+            static = dataclasses.replace(static, truth_starts=static.prefix_lens)
+        return static
+
     def capture(self, batch: ForwardBatch, device_step: Callable[[ForwardBatch], torch.Tensor]) -> CapturedStep:
         """Capture ``device_step`` on fixed copies of ``batch``'s tensors (nothing runs now)."""
-        static = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in self.fields})
+        static = self.fixed_buffers(batch)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with collection_paused(), torch.cuda.graph(graph, pool=self.mempool):

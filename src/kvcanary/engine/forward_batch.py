@@ -43,21 +43,24 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
     starts = torch.cumsum(extend_lens, 0) - extend_lens
     num_tokens = int(extend_lens.sum())
     positions = torch.repeat_interleave(prefix_lens - starts, extend_lens) + torch.arange(num_tokens)
-    input_ids = as_tensor(
-        list(
-            itertools.chain.from_iterable(
-                (req.token_ids + req.draft_ids)[req.num_cached : req.num_cached + n] for req, n in plan
-            )
+    input_list = list(
+        itertools.chain.from_iterable(
+            (req.token_ids + req.draft_ids)[req.num_cached : req.num_cached + n] for req, n in plan
         )
-        + pad
-    )
+    ) + pad
+    input_ids = None
     if not truth:
         truth_ids = truth_offsets = truth_starts = None
     elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
-        truth_ids = as_tensor([_token_at(req, req.num_cached) for req, _ in plan] + pad)
         # one token a request: the offsets are 0..bs, one device tensor per size kept (nothing writes
-        # a batch's tensors), and the starts are the prefix lengths (the same device tensor)
-        truth_offsets, truth_starts = _counting(len(plan) + num_padding + 1, device), prefix_lens
+        # a batch's tensors), and the starts are the prefix lengths (the same device tensor); the ids
+        # go to the device in one copy with the input ids, into memory of their own, 16-byte aligned
+        # as a tensor of their own would be
+        gap = num_tokens % 2
+        both = as_tensor(input_list + [0] * gap + [_token_at(req, req.num_cached) for req, _ in plan] + pad)
+        both = both.to(device)
+        input_ids, truth_ids = both[:num_tokens], both[num_tokens + gap:]
+        truth_offsets, truth_starts = counting(len(plan) + num_padding + 1, device), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
     elif appends:  # each request's history from what its row holds on (all of it for a new row)
@@ -86,7 +89,7 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         prefix_lens=prefix_on_device,
         extend_lens=extend_lens.to(device),
         req_to_token=req_to_token,
-        input_ids=input_ids.to(device),
+        input_ids=as_tensor(input_list).to(device) if input_ids is None else input_ids,
         positions=positions.to(device),
         out_cache_loc=out_cache_loc,
         truth_ids=None if truth_ids is None else truth_ids.to(device),
@@ -101,7 +104,7 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
 _COUNTING: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _counting(n: int, device: torch.device) -> torch.Tensor:
+def counting(n: int, device: torch.device) -> torch.Tensor:
     """int64 [0, 1, ..., n - 1] on ``device``, made once per size and device (read, never written)."""
     t = _COUNTING.get((n, device))
     if t is None:
