@@ -78,6 +78,11 @@ def test_a_batch_appends_what_each_row_lacks():
     batch = build_forward_batch([(a, 1), (c, 1)], table, appends=True)
     assert batch.truth_starts.tolist() == [5, 0] and batch.truth_offsets.tolist() == [0, 1, 5]
     assert batch.truth_ids.tolist() == [16, 31, 32, 33, 34] and (a.truth_len, c.truth_len) == (6, 4)
+    # offsets, starts and ids went in one copy: one storage, each part of its own 16-byte aligned
+    parts = (batch.truth_offsets, batch.truth_starts, batch.truth_ids)
+    assert len({t.untyped_storage().data_ptr() for t in parts}) == 1
+    assert all(t.data_ptr() % 16 == 0 for t in parts)
+    assert parts[0].data_ptr() + 8 * 3 <= parts[1].data_ptr() and parts[1].data_ptr() + 8 * 2 <= parts[2].data_ptr()
     # a prefill chunk after the first: its history (the whole prompt) went with the first chunk
     d = Request(4, [41, 42, 43, 44, 45], 8, row=3)
     first = build_forward_batch([(d, 3)], table, appends=True)

@@ -54,21 +54,17 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
     elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
         # one token a request: the offsets are 0..bs, one device tensor per size kept (nothing writes
         # a batch's tensors), and the starts are the prefix lengths (the same device tensor); the ids
-        # go to the device in one copy with the input ids, into memory of their own, 16-byte aligned
-        # as a tensor of their own would be
-        gap = num_tokens % 2
-        both = as_tensor(input_list + [0] * gap + [_token_at(req, req.num_cached) for req, _ in plan] + pad)
-        both = both.to(device)
-        input_ids, truth_ids = both[:num_tokens], both[num_tokens + gap:]
+        # go to the device in one copy with the input ids
+        input_ids, truth_ids = _packed(device, input_list, [_token_at(req, req.num_cached) for req, _ in plan] + pad)
         truth_offsets, truth_starts = counting(len(plan) + num_padding + 1, device), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
     elif appends:  # each request's history from what its row holds on (all of it for a new row)
         froms = [req.truth_len if req.truth_len <= req.num_tokens else 0 for req, _ in plan]
         parts = [_history_from(req, start) for (req, _), start in zip(plan, froms, strict=True)]
-        truth_ids = as_tensor(list(itertools.chain.from_iterable(parts)))
-        truth_offsets = as_tensor([0, *itertools.accumulate(len(t) for t in parts), *[len(truth_ids)] * num_padding])
-        truth_starts = as_tensor(froms + pad)
+        ids = list(itertools.chain.from_iterable(parts))
+        offsets = [0, *itertools.accumulate(len(t) for t in parts), *[len(ids)] * num_padding]
+        truth_offsets, truth_starts, truth_ids = _packed(device, offsets, froms + pad, ids)  # one copy
         for req, _ in plan:
             req.truth_len = req.num_tokens
     else:
@@ -99,6 +95,19 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         truth_starts=None if truth_starts is None else prefix_on_device if truth_starts is prefix_lens
         else truth_starts.to(device),
     )
+
+
+def _packed(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """``lists`` as int64 tensors on ``device`` from one host-to-device copy: one buffer, each list
+    in a part of its own that starts 16-byte aligned, as a tensor of its own would (the kernels'
+    compiled variants assume it)."""
+    flat, bounds = [], []
+    for xs in lists:
+        flat += [0] * (len(flat) % 2)
+        bounds.append((len(flat), len(flat) + len(xs)))
+        flat += xs
+    t = torch.from_numpy(np.array(flat, dtype=np.int64)).to(device)
+    return [t[a:b] for a, b in bounds]
 
 
 _COUNTING: dict[tuple[int, torch.device], torch.Tensor] = {}
