@@ -98,16 +98,24 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
 
 
 def _packed(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
-    """``lists`` as int64 tensors on ``device`` from one host-to-device copy: one buffer, each list
-    in a part of its own that starts 16-byte aligned, as a tensor of its own would (the kernels'
-    compiled variants assume it)."""
+    """``lists`` as int64 tensors on ``device`` from one host-to-device copy (``one_buffer``). On
+    the CPU, where there is no copy to save, a tensor each."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.array(xs, dtype=np.int64)) for xs in lists]
+    host, bounds = one_buffer(*lists)
+    t = host.to(device)
+    return [t[a:b] for a, b in bounds]
+
+
+def one_buffer(*lists: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``lists`` in one int64 host tensor, and each one's [start, end) in it: every part starts
+    16-byte aligned, as a tensor of its own would (the kernels' compiled variants assume it)."""
     flat, bounds = [], []
     for xs in lists:
         flat += [0] * (len(flat) % 2)
         bounds.append((len(flat), len(flat) + len(xs)))
         flat += xs
-    t = torch.from_numpy(np.array(flat, dtype=np.int64)).to(device)
-    return [t[a:b] for a, b in bounds]
+    return torch.from_numpy(np.array(flat, dtype=np.int64)), bounds
 
 
 _COUNTING: dict[tuple[int, torch.device], torch.Tensor] = {}
