@@ -54,8 +54,9 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
     elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
         # one token a request: the offsets are 0..bs, one device tensor per size kept (nothing writes
         # a batch's tensors), and the starts are the prefix lengths (the same device tensor); the ids
-        # go to the device in one copy with the input ids
-        input_ids, truth_ids = _packed(device, input_list, [_token_at(req, req.num_cached) for req, _ in plan] + pad)
+        # are the input ids' values (each request's token at its prefix end, padding 0), and go to
+        # the device in one copy with them, into memory of their own
+        input_ids, truth_ids = _packed(device, input_list, input_list)
         truth_offsets, truth_starts = counting(len(plan) + num_padding + 1, device), prefix_lens
         for req, _ in plan:
             req.truth_len += 1
@@ -133,12 +134,6 @@ def _history_from(req, start: int) -> list[int]:
     """``req.token_ids[start:]`` without building the whole history list."""
     n = len(req.prompt_ids)
     return req.output_ids[start - n:] if start >= n else req.prompt_ids[start:] + req.output_ids
-
-
-def _token_at(req, position: int) -> int:
-    """``req.token_ids[position]`` without building the history list."""
-    n = len(req.prompt_ids)
-    return req.prompt_ids[position] if position < n else req.output_ids[position - n]
 
 
 def _restart_chunk_positions(plan: Schedule, positions: torch.Tensor, out_cache_loc: torch.Tensor,
