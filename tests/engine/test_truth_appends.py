@@ -23,35 +23,42 @@ from ._helpers import engine_config, random_prompts
 TIGHT = dict(num_slots=320, host_tier_slots=96, graph_batch_sizes=(2, 4, 8), max_running=8)
 
 
-def run(appends: bool, seed: int):
-    engine, hooks = attach_canary(lambda h: Engine(ModelConfig(), engine_config(truth_appends=appends, **TIGHT), h),
+# a hybrid model: a window canary beside the full one, each with a truth table of its own
+HYBRID = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
+
+
+def run(appends: bool, seed: int, model: ModelConfig | None = None):
+    engine, hooks = attach_canary(lambda h: Engine(model or ModelConfig(), engine_config(truth_appends=appends,
+                                                                                      **TIGHT), h),
                                   CanaryConfig(policy=Policy.LOG, real_kv=FingerprintMode.PARTIAL, sweep_interval=4))
-    canary, seen = hooks.canary, []
+    canaries = [c for c in (hooks.canary, hooks.window_canary) if c is not None]
+    seen = []
     after = hooks.after_forward
 
-    def watch(batch: ForwardBatch) -> None:  # each request's truth row as HEAD and TAIL read it
-        lens = canary.truth_lens[: batch.batch_size].tolist()
+    def watch(batch: ForwardBatch) -> None:  # each request's truth row as HEAD and TAIL read it, in each canary
         rows = batch.req_pool_indices.tolist()
-        seen.append((batch.truth_starts is not None, {
-            rid: canary.truth[row, :n].tolist() for rid, row, n in zip(batch.request_ids, rows, lens, strict=True)
-            if rid is not None}))
+        seen.append((batch.truth_starts is not None, [{
+            rid: c.truth[row, :n].tolist()
+            for rid, row, n in zip(batch.request_ids, rows, c.truth_lens[: batch.batch_size].tolist(), strict=True)
+            if rid is not None} for c in canaries]))
         after(batch)
 
     hooks.after_forward = watch
     out = engine.generate(random_prompts(seed, 20, min_len=8, max_len=40, prefix_len=24), 20)
-    canary.flush(engine.step_index)
+    for c in canaries:
+        c.flush(engine.step_index)
     return engine, hooks, out, seen
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_appends_leave_the_truth_whole_histories_would(seed):
-    base_engine, base_hooks, base_out, base_seen = run(False, seed)
-    engine, hooks, out, seen = run(True, seed)
+@pytest.mark.parametrize("seed, model", [(3, None), (4, None), (5, HYBRID)], ids=["3", "4", "hybrid"])
+def test_appends_leave_the_truth_whole_histories_would(seed, model):
+    base_engine, base_hooks, base_out, base_seen = run(False, seed, model)
+    engine, hooks, out, seen = run(True, seed, model)
+    assert len(seen[0][1]) == (2 if model is HYBRID else 1)
     assert out == base_out  # every token emitted
     assert [s for _, s in seen] == [s for _, s in base_seen]  # every step's truth, row by row
     assert not any(a for a, _ in base_seen)
-    appended = sum(a for a, _ in seen)
-    assert appended >= len(seen) // 3, (appended, len(seen))
+    assert all(a for a, _ in seen)  # every batch hands appends
     assert engine.stats.num_preemptions > 0 and engine.stats.num_offloaded_slots > 0  # rows given again
     for h in (base_hooks, hooks):
         assert h.canary.totals.violations == 0 and h.reports == []
