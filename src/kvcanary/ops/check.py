@@ -723,8 +723,9 @@ class BoundCheck:
     | a host batch                                           | ``check_forward``'s own checks     |
 
     A call returns False having launched nothing for a batch it does not take; the caller then
-    runs ``check_forward``, which raises the error that names the argument. Triton only (CUDA, or
-    the CPU under the interpreter).
+    runs ``check_forward`` (after ``scatter_req_token_ids`` for a batch's token truth), which
+    raises the error that names the argument. Triton only (CUDA, or the CPU under the
+    interpreter).
 
     ``publication``: (seq, rows) of ``ops.publish`` for the state's counter block, checked here; a
     call with ``publish=True`` then publishes the block from its last program out, after every
