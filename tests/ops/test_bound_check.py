@@ -16,7 +16,7 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import Backend
 from kvcanary.ops.check import BoundCheck, check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta
-from kvcanary.ops.scatter import _scatter_torch
+from kvcanary.ops.scatter import _scatter_torch, scatter_req_token_ids
 from kvcanary.ops.state import COUNTER_BLOCK_WORDS, DeviceState, Workspace
 
 from ._compare import assert_same, sorted_rows
@@ -248,6 +248,13 @@ def test_truth_histories_go_to_head_with_truth_and_together():
     assert not head(*batch.values(), tag=0, truth=True, truth_ids=flat.to(DEV), truth_offsets=offsets.to(DEV),
                     truth_starts=torch.zeros(bs, dtype=torch.int32, device=DEV))
     assert_same("truth after refused calls", truth, before)
+    # what the caller runs then names the argument
+    with pytest.raises(InputTypeError, match="starts dtype int32 != int64"):
+        scatter_req_token_ids(flat_in=flat.to(DEV), offsets=offsets.to(DEV), req_pool_indices=batch["req_pool_indices"],
+                              pool_out=truth, starts=torch.zeros(bs, dtype=torch.int32, device=DEV))
+    with pytest.raises(InputError, match=r"starts length 3 != bs \(2\)"):
+        scatter_req_token_ids(flat_in=flat.to(DEV), offsets=offsets.to(DEV), req_pool_indices=batch["req_pool_indices"],
+                              pool_out=truth, starts=torch.zeros(bs + 1, dtype=torch.int64, device=DEV))
     with pytest.raises(InputError, match="truth_starts needs truth_ids and truth_offsets"):
         head(*batch.values(), tag=0, truth=True, truth_starts=torch.zeros(bs, dtype=torch.int64, device=DEV))
 
