@@ -28,7 +28,9 @@ from kvcanary.core.record import (
 )
 from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
-from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint
+from kvcanary.ops._cpu import BoundForward
+from kvcanary.ops._cpu import usable as numba_usable
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.stamp import stamp
@@ -625,6 +627,50 @@ def test_bound_verify_matches_the_reference(seed, seq_lens, mode, corrupt, tag):
     args, _ = run_op(_bound_verify, Backend.TRITON, **inputs)
     assert_ring("ring [bound]", args["ring"], args["ring_counter"], inputs["ring"], int(inputs["ring_counter"]), rows)
     assert_same("stats [bound]", args["stats"], want_stats)
+
+
+def _host_verify(inputs: dict, entries: tuple, tag: int) -> tuple[dict, bool]:
+    """``BoundForward.verify`` (a CPU sweep's compiled verify of host entries) on copies of the
+    inputs' buffers: (the buffers after it, whether it took the entries)."""
+    args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    sources, mode = args["sources"], args["mode"]
+    meta = source_meta(sources, mode, torch.device("cpu")) if sources else None
+    done = with_state(lambda state: BoundForward(state, sources, meta, torch.zeros(1, 1, dtype=torch.int32),
+                                                 torch.zeros(1, dtype=torch.int64), 0, 64).verify(*entries, tag),
+                      canary=args["canary"], ring=args["ring"], ring_counter=args["ring_counter"], stats=args["stats"],
+                      source_tags=args["source_tags"])
+    return args, done
+
+
+@pytest.mark.skipif(not numba_usable(), reason="numba does not serve here")
+@given(seed=SEEDS, seq_lens=st.lists(st.integers(0, 12), min_size=1, max_size=4), mode=st.sampled_from(MODES),
+       corrupt=st.sampled_from([0.0, 0.3]), tag=st.integers(0, 11), as_lists=st.booleans())
+def test_a_sweeps_host_entries_verify_as_the_reference(seed, seq_lens, mode, corrupt, tag, as_lists):
+    """A CPU sweep's entries (slot, predecessor, position, token; no request row, the entry its
+    slot), as host lists or int64 arrays, verified by the compiled call: the reference's rows and
+    counts; a value its int32 plan cannot hold: refused, nothing written."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(gen, seq_lens, mode, False, corrupt, tag)
+    plan, m = inputs["plan"], int(inputs["plan"].count[0])
+    plan.entry[:m], plan.row[:m] = plan.slot[:m], 0  # a sweep's: idle slots, no request
+    columns = [getattr(plan, name)[:m].long() for name in ("slot", "pred", "position", "token")]
+    entries = tuple(c.tolist() if as_lists else c.numpy() for c in columns)
+    rows, checked = expected_verify(inputs)
+    want_stats = inputs["stats"].clone()
+    want_stats[tag, STAT_LAUNCHES] += 1
+    want_stats[tag, STAT_CHECKED] += checked
+    args, done = _host_verify(inputs, entries, tag)
+    assert done
+    assert_ring("ring [host entries]", args["ring"], args["ring_counter"], inputs["ring"],
+                int(inputs["ring_counter"]), rows)
+    assert_same("stats [host entries]", args["stats"], want_stats)
+    if m:
+        big = [list(c) for c in entries]
+        big[int(torch.randint(0, 4, (1,), generator=gen))][m - 1] = 2**40
+        args, done = _host_verify(inputs, tuple(big), tag)
+        assert not done
+        for name in ("canary", "ring", "ring_counter", "stats"):
+            assert_same(f"{name} after a refused sweep", args[name], inputs[name])
 
 
 def test_bound_verify_refuses_a_plan_resized_after_binding():

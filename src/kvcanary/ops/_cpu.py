@@ -291,10 +291,12 @@ class BoundForward:
         if n == 0:  # what the kernel does with no entries: count the launch (through CPython, not numpy)
             self.stats_words[tag * NUM_STATS + STAT_LAUNCHES] += 1
             return True
+        plan = np.empty((6, n), dtype=np.int32)  # filled row by row: one list of 6 converts element by element
         try:
-            plan = np.array([slot, pred, position, token, slot, [0] * n], dtype=np.int32).reshape(6, n)
+            plan[0], plan[1], plan[2], plan[3], plan[4] = slot, pred, position, token, slot
         except (OverflowError, ValueError):  # values the plan's int32 columns cannot hold
             return False
+        plan[5] = 0
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         self._verify(words, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], np.array([n]), _ONE_I32, ring,
                      counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, self.num_sources, halves, tag)
