@@ -40,11 +40,19 @@ def _link(token, position):
     return _mix(h ^ (np.uint64(position) * _GOLDEN))
 
 
-def _translate(s, lut, has_lut):
-    """``plan._translate_torch`` of slot s: through the LUT (-1 outside it), then 0 -> -1."""
+def _translate(s, via_lut, has_lut, n_lut):
+    """``plan._translate_torch`` of slot s: through the LUT of ``n_lut`` entries (-1 outside it),
+    then 0 -> -1. ``via_lut``: ``lut[_in_lut(s, n_lut)]``, read by the caller: an array passed to
+    an inlined function costs reference-count updates at every call (in the page-table walks,
+    half of their time)."""
     if has_lut:
-        s = lut[s] if 0 <= s < lut.shape[0] else np.int64(-1)
+        s = via_lut if 0 <= s < n_lut else np.int64(-1)
     return np.int64(-1) if s == 0 else np.int64(s)
+
+
+def _in_lut(s, n_lut):
+    """s clamped into a LUT of ``n_lut`` >= 1 entries: the entry ``_translate`` reads, or ignores."""
+    return min(max(s, np.int64(0)), n_lut - 1)
 
 
 def _fingerprints(words, slots, n, out, tags, kv0, kv1, kv2, kv3, meta, num_sources):
@@ -176,7 +184,7 @@ def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, 
     slot's K/V bytes alone): ``scratch[0, s]`` holds s's index among them meanwhile, then
     _UNMARKED again. ``mark_readers`` (HEAD): ``scratch[1, s]`` becomes the smallest row reading
     s, for ``_writes`` (``_unmark_readers`` clears it)."""
-    num_slots, bs, width = words.shape[0], rpi.shape[0], truth.shape[1]
+    num_slots, bs, width, n_lut = words.shape[0], rpi.shape[0], truth.shape[1], lut.shape[0]
     stats[tag, 0] += 1
     k = 0
     m = 0
@@ -187,7 +195,8 @@ def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, 
     for r in range(bs if num_sources > 0 else 0):
         row = rpi[r]
         for p in range(lo[r], hi[r]):
-            s = np.int64(np.int32(_translate(np.int64(rtt[row, p]), lut, has_lut)))
+            raw = np.int64(rtt[row, p])
+            s = np.int64(np.int32(_translate(raw, lut[_in_lut(raw, n_lut)], has_lut, n_lut)))
             if 0 < s < num_slots and scratch[0, s] == _UNMARKED:
                 scratch[0, s] = k
                 distinct[k] = s
@@ -201,10 +210,11 @@ def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, 
         tlen = tlens[r] if has_truth else 0
         prev = np.int64(-1)
         if lo[r] > 0:
-            prev = _translate(np.int64(rtt[row, lo[r] - 1]), lut, has_lut)
+            raw = np.int64(rtt[row, lo[r] - 1])
+            prev = _translate(raw, lut[_in_lut(raw, n_lut)], has_lut, n_lut)
         for p in range(lo[r], hi[r]):
             raw = np.int64(rtt[row, p])
-            cur = _translate(raw, lut, has_lut)
+            cur = _translate(raw, lut[_in_lut(raw, n_lut)], has_lut, n_lut)
             s = np.int64(np.int32(cur))
             q = np.int64(np.int32(prev)) if p > 0 else np.int64(-1)
             prev = cur
@@ -234,10 +244,12 @@ def _verify_prefixes(words, rpi, lo, hi, rtt, truth, tlens, lut, scratch, ring, 
 
 def _unmark_readers(num_slots, rpi, lo, hi, rtt, lut, has_lut, scratch):
     """Clear the reader marks ``_verify_prefixes(mark_readers=True)`` left in ``scratch[1]``."""
+    n_lut = lut.shape[0]
     for r in range(rpi.shape[0]):
         row = rpi[r]
         for p in range(lo[r], hi[r]):
-            s = np.int64(np.int32(_translate(np.int64(rtt[row, p]), lut, has_lut)))
+            raw = np.int64(rtt[row, p])
+            s = np.int64(np.int32(_translate(raw, lut[_in_lut(raw, n_lut)], has_lut, n_lut)))
             if 0 < s < num_slots:
                 scratch[1, s] = _UNMARKED
 
@@ -257,8 +269,8 @@ def _check(words, rpi, prefix, extend, rtt, ids, pos, loc, truth, tlens, flat, o
     stamp, has_truth, has_lut = (flags & _STAMP) != 0, (flags & _TRUTH) != 0, (flags & _LUT) != 0
     bs = rpi.shape[0]
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
-    if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter):
-        return 1
+    if not _batch_ok(rpi, prefix, extend, rows, max_ctx, ids.shape[0], counter) or lut.shape[0] < 1:
+        return 1  # (an empty LUT, even an unused one: ``_in_lut`` reads an entry of it)
     if flags & _SCATTER:  # the forward's truth scatter first (``_scatter``, strict), into truth and tlens
         has_starts = (flags & _STARTS) != 0  # appends, each from its start on
         bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, truth.shape[0], tstarts, has_starts)
@@ -319,10 +331,10 @@ def _marks_io(num_slots, ids, pos, loc, lut, has_lut, kv0, kv1, kv2, kv3, meta, 
     """``landed.mark_writes`` (``mark``) or ``check_writes_landed``: the first four int32 words of
     each valid target's row in every source get (or are compared with) the slot's mark. Returns
     the translated slot per token, 0 where it missed (check) or is invalid."""
-    n = ids.shape[0]
+    n, n_lut = ids.shape[0], lut.shape[0]
     written = np.zeros(n, dtype=np.int64)
     for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
+        s = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], has_lut, n_lut)
         if not (0 < s < num_slots):
             continue
         b = np.uint64(s) ^ _MARK_SEED
@@ -353,7 +365,7 @@ def _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, 
     against the smallest row reading it (held slots: row 0). Rows in token order. ``scratch[0,
     s]``: first writer token, ``scratch[1, s]``: smallest reader row (the plan's readers marked
     by ``_verify_prefixes``); every word touched here is reset to _UNMARKED on return."""
-    num_slots, n, bs = words.shape[0], ids.shape[0], rpi.shape[0]
+    num_slots, n, bs, n_lut = words.shape[0], ids.shape[0], rpi.shape[0], lut.shape[0]
     if n == 0 or bs == 0:
         return
     has_lut, has_held = (flags & _LUT) != 0, (flags & _HELD) != 0
@@ -369,11 +381,11 @@ def _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, 
             r += 1
         if r < bs:
             row[t] = rpi[r]
-        s = _translate(loc[t], lut, has_lut)
+        s = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], has_lut, n_lut)
         if r < bs and 0 < s < num_slots and scratch[0, s] == _UNMARKED:
             scratch[0, s] = t
     for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
+        s = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], has_lut, n_lut)
         if not (0 < s < num_slots) or woff[bs] <= t:
             continue
         f = scratch[0, s]
@@ -384,7 +396,7 @@ def _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, 
             other = row[f] if dup else scratch[1, s]
             _append(ring, counter, tag, s, pos[t], ids[t], -1, row[t], other, reasons)
     for t in range(n):
-        s = _translate(loc[t], lut, has_lut)
+        s = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], has_lut, n_lut)
         if 0 < s < num_slots:
             scratch[0, s] = _UNMARKED
             scratch[1, s] = _UNMARKED
@@ -398,7 +410,7 @@ def _writes(words, rpi, woff, ids, pos, loc, lut, held, scratch, ring, counter, 
 def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring, counter, stats, tag, has_truth,
            has_lut):
     """``gather_expected_tokens`` + ``stamp._stamp_torch`` after ``build_plan``'s write offsets and seeds."""
-    num_slots, bs, n = words.shape[0], rpi.shape[0], ids.shape[0]
+    num_slots, bs, n, n_lut = words.shape[0], rpi.shape[0], ids.shape[0], lut.shape[0]
     if n == 0 or bs == 0:
         return
     rows, max_ctx = rtt.shape[0], rtt.shape[1]
@@ -411,7 +423,8 @@ def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring
         base[r] = np.uint64(_ANCHOR_S)
         p_end = min(max(prefix[r], 0), max_ctx)
         if 1 <= row < rows and p_end > 0:
-            s = _translate(np.int64(rtt[row, p_end - 1]), lut, has_lut)
+            raw = np.int64(rtt[row, p_end - 1])
+            s = _translate(raw, lut[_in_lut(raw, n_lut)], has_lut, n_lut)
             if 0 < s < num_slots:
                 seed_ok[r] = True
                 seed_pos[r] = words[s, 1]
@@ -429,7 +442,7 @@ def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring
             excl += _link(tid, tpos)
             if row == 0:  # a padding request: neither stamped nor checked
                 continue
-            slot = _translate(loc[t], lut, True) if has_lut else loc[t]
+            slot = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], True, n_lut) if has_lut else loc[t]
             exp_tok = tid
             if has_truth:
                 p = prefix[r] + j
@@ -453,7 +466,7 @@ def _stamp(words, rpi, prefix, woff, rtt, ids, pos, loc, truth, tlens, lut, ring
         if rpi[r] == 0:
             continue
         for t in range(woff[r], min(woff[r + 1], n)):
-            slot = _translate(loc[t], lut, True) if has_lut else loc[t]
+            slot = _translate(loc[t], lut[_in_lut(loc[t], n_lut)], True, n_lut) if has_lut else loc[t]
             if 0 < slot < num_slots:
                 words[slot, 0], words[slot, 1], words[slot, 2], words[slot, 3] = ids[t], pos[t], chains[t], 0
                 stamped += 1
@@ -531,7 +544,7 @@ _SCATTER_SIG = ("int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::
                 "int64[::1], boolean)")
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
-INLINED = ("_mix", "_link", "_translate", "_entry_check")
+INLINED = ("_mix", "_link", "_translate", "_in_lut", "_entry_check")
 CALLED = ("_scatter_bad", "_scatter_rows", "_fingerprints", "_append", "_report_entry", "_verify_entries",
           "_verify_prefixes", "_unmark_readers", "_writes", "_stamp", "_marks_io", "_batch_ok")
 KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
