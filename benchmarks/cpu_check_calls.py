@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-import kvcanary.ops._cpu as cpu
 import kvcanary.runtime.canary as canary_module
+from kvcanary.ops.backend import BoundForward
 
 CALLS = ("launch_head", "tail", "end_step", "prepare_head")
 
@@ -32,7 +32,7 @@ def main() -> None:
     compiled = {"s": 0.0}
     tails: list[int] = []
     warm_rows: list[tuple[int, float, float]] = []
-    original = cpu.BoundForward.check
+    original = BoundForward.check
 
     def warm(bound, arrays, tag, truth) -> float:
         for _ in range(3):
@@ -80,7 +80,7 @@ def main() -> None:
                 compiled["s"] += time.perf_counter() - t  # the repeats are not this TAIL's Python
         return done
 
-    cpu.BoundForward.check = check
+    BoundForward.check = check
     per_call: dict[str, list[tuple[float, float]]] = {n: [] for n in CALLS}
 
     def timing(f, name):
@@ -99,7 +99,7 @@ def main() -> None:
         runpy.run_path(str(pathlib.Path(__file__).with_name("bench_cpu_share.py")), run_name="__main__")
     except SystemExit:  # its exit status: the run's report is what is wanted here
         pass
-    cpu.BoundForward.check = original
+    BoundForward.check = original
     print(f"\n{'call':14s} {'n':>5s} {'µs a call':>10s} {'compiled':>9s} {'outside':>8s} {'outside, ms a run':>18s}")
     for name, rows in per_call.items():
         med = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
