@@ -13,8 +13,10 @@ violations (a clean workload). ``--cuda-graph`` runs decode steps as CUDA-graph 
 (``EngineConfig.cuda_graph``), the canary captured with them. ``--fresh-engines`` builds a new
 engine for every run instead (its captures and first calls timed with it), as this benchmark did
 before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands every step's token
-truth as whole histories instead of the default (on CUDA: decode truth as appends,
-``EngineConfig.truth_appends``).
+truth as whole histories instead of the default (appends, ``EngineConfig.truth_appends``). A mode
+with ``@N`` (e.g. ``--modes partial,partial@16,partial@0``) sweeps idle prefix-cache slots every N
+steps instead of every 8 (``CanaryConfig.sweep_interval``; 0: no sweeps): the sweep interval's
+cost, in the same run as the default's.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
 of each in turn (``run_lockstep``): whole runs one after another see the host drift by several
@@ -83,9 +85,7 @@ MODELS = {"bench": ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_hea
 def build(mode: str, device: str, options: dict, model: str = "bench"):
     """(engine, hooks) for ``mode`` on ``model`` (``MODELS``); hooks is None with the canary off."""
     mc = MODELS[model]
-    kind, _, truth = mode.partition("/")
-    if truth not in ("", "whole"):
-        sys.exit(f"mode {mode!r}: the only suffix is /whole (token truth as whole histories)")
+    kind, truth, interval = parse_mode(mode)
     if truth:
         options = {**options, "truth_appends": False}
     ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device,
@@ -93,7 +93,21 @@ def build(mode: str, device: str, options: dict, model: str = "bench"):
     if MODES[kind] is None:
         return Engine(mc, ec), None
     return attach_canary(lambda h: Engine(mc, ec, h),
-                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=8))
+                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=interval))
+
+
+def parse_mode(mode: str) -> tuple[str, bool, int]:
+    """``kind[/whole][@N]`` as (kind, whole histories, sweep interval); exits naming a bad one."""
+    rest, at, every = mode.partition("@")
+    kind, _, truth = rest.partition("/")
+    if kind not in MODES:
+        sys.exit(f"mode {mode!r}: the kind must be one of {', '.join(MODES)}, got {kind!r}")
+    if truth not in ("", "whole"):
+        sys.exit(f"mode {mode!r}: the only suffix after / is whole (token truth as whole histories), got {truth!r}")
+    if at and not (every.isdigit() and MODES[kind] is not None):
+        sys.exit(f"mode {mode!r}: @ takes a sweep interval >= 0 (steps between sweeps, 0: none) of a canary mode, "
+                 f"got {every!r}")
+    return kind, bool(truth), int(every) if at else 8
 
 
 def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:
@@ -257,7 +271,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
     def per(r, key, kind):
         return 1e6 * r[key] / max(r[kind], 1)
 
-    print(f"{'mode':8} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
+    print(f"{'mode':12} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
           f"{'device µs':>10} {'- off':>8}")
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
@@ -272,7 +286,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
                 device = med(per(r, "graph_device_s", kind) for r in rs)
                 more_device = med(per(r, "graph_device_s", kind) - per(off[r["repeat"]], "graph_device_s", kind)
                                   for r in rs)
-            print(f"{m:8} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {rest:10.1f} "
+            print(f"{m:12} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {rest:10.1f} "
                   f"{device:10.1f} {more_device:8.1f}")
 
 
@@ -309,6 +323,8 @@ def main(argv=None) -> None:
     options = engine_options(args.cuda_graph)
     torch.set_num_threads(1)
     modes = ["off", *args.modes.split(",")]
+    for m in modes:
+        parse_mode(m)
     engines = {}
     for m in modes:  # built and warmed up: kernels compiled, graphs captured, caches filled
         engines[m] = build(m, args.device, options, args.model)
@@ -341,7 +357,7 @@ def main(argv=None) -> None:
           f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}"
           f"{f', the engines stepped in turn, {args.lockstep} steps a turn' if args.lockstep else ''}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair")
-    print(f"{'mode':8} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
+    print(f"{'mode':12} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
     summary = []
     for m in modes:
@@ -356,7 +372,7 @@ def main(argv=None) -> None:
                         "ratio_median_interval": interval,
                         "canary_share_spread": share, "violations": viol})
         band = f"{interval[0]:.3f}-{interval[1]:.3f}"
-        print(f"{m:8} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
+        print(f"{m:12} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
     if args.lockstep:
         by_kind(runs, modes)
     if args.json:

@@ -61,6 +61,35 @@ def test_lockstep_arguments_checked(args, message):
     assert proc.returncode != 0 and message in proc.stderr
 
 
+def test_a_mode_sweeps_at_its_interval(bench):
+    """``kind[/whole][@N]``: N steps between sweeps (0: none), 8 without; the truth suffix as before."""
+    n = random.Random(3).randrange(2, 6)
+    prompts = bench.workload(512, 6, seed=11)
+    sweeps = {}
+    for mode in ("partial", f"partial@{n}", "partial@0", f"none/whole@{n}"):
+        engine, hooks = bench.build(mode, "cpu", {}, "micro")
+        assert hooks.canary.config.sweep_interval == (8 if "@" not in mode else int(mode.split("@")[1]))
+        assert engine.config.truth_appends is (False if "whole" in mode else None)  # None: the default, appends
+        engine.generate(prompts, 20)
+        steps = engine.stats.num_steps
+        sweeps[mode] = hooks.canary.totals.sweeps
+        every = hooks.canary.config.sweep_interval
+        assert sweeps[mode] == (0 if every == 0 else len(range(0, steps, every))), (mode, steps)
+    assert sweeps[f"partial@{n}"] > sweeps["partial"] > sweeps["partial@0"] == 0
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("off@4", "mode 'off@4': @ takes a sweep interval >= 0"),
+    ("partial@-1", "mode 'partial@-1': @ takes a sweep interval >= 0"),
+    ("partial/all", "the only suffix after / is whole"),
+    ("nonx", "the kind must be one of off, none, partial, all, got 'nonx'"),
+])
+def test_a_bad_mode_is_named(mode, message):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--modes", mode], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
 def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, capsys):
     """The "not canary" column: the median over repeats of (µs a step - the off engine's - the
     canary's own µs a step), per step kind; the other columns as before."""
