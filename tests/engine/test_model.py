@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.engine import ModelConfig
+import kvcanary.engine.engine as engine_module
+from kvcanary.engine import ModelConfig, SamplerKind
+from kvcanary.engine.attention import AttentionLayout
 from kvcanary.engine.grid import to_grid
 
-from ._helpers import RecordingHooks, make_engine, random_prompts, run_logits
+from ._helpers import RecordingHooks, engine_config, make_engine, random_prompts, run_logits
 
 
 def target_logits(prompts, target, max_new_tokens=6, **config):
@@ -93,3 +95,36 @@ def test_cuda_batch_and_chunking_invariance():
     alone, _ = target_logits(prompts[2:3], 0, chunk_size=64, device="cuda")
     batched, _ = target_logits(prompts, 2, page_size=4, chunk_size=5, max_tokens_per_step=12, device="cuda")
     assert alone.is_cuda and torch.equal(batched, alone)
+
+
+@pytest.mark.parametrize("model, overrides", [
+    (ModelConfig(), {"chunk_size": 7, "max_tokens_per_step": 24}),
+    (ModelConfig(), {"sampler": SamplerKind.ORACLE, "num_draft_tokens": 3, "graph_batch_sizes": (1, 2, 4, 8)}),
+    (ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3), {"chunk_size": 5}),
+])
+def test_an_eager_forward_takes_its_widths_from_the_host(monkeypatch, model, overrides):
+    """Every eager forward's layout gets the widths a device read would give (no host sync in the
+    forward), and every token emitted is the one of a forward that reads them from the device."""
+    from_batch, seen = AttentionLayout.from_batch.__func__, []
+
+    def spy(cls, batch, window=0, lut=None, max_len=None, max_extend=1):
+        seq_lens = batch.prefix_lens + batch.extend_lens
+        if batch.extend_lens.numel() and max_len != model_max_ctx:  # not a graph's fixed window
+            seen.append(((max_len, max_extend), (int(seq_lens.max()), int(batch.extend_lens.max()))))
+        return from_batch(cls, batch, window, lut, max_len, max_extend)
+
+    model_max_ctx = engine_config(**overrides).max_ctx
+    prompts = random_prompts(seed=int(torch.randint(0, 1 << 16, ())), num=7, min_len=3, max_len=40, prefix_len=9)
+    monkeypatch.setattr(AttentionLayout, "from_batch", classmethod(spy))
+    engine = make_engine(model=model, **overrides)
+    ids = [engine.add_request(p, 6) for p in prompts]
+    emitted = run_logits(engine)
+    assert seen and all(got == want for got, want in seen), [(g, w) for g, w in seen if g != w][:4]
+    assert len({w[1] for _, w in seen}) > 1  # prefill chunks and decode steps both ran eagerly
+    monkeypatch.setattr(engine_module, "_widths", lambda plan: None)  # the forward reads them back
+    reread = make_engine(model=model, **overrides)
+    for p in prompts:
+        reread.add_request(p, 6)
+    again = run_logits(reread)
+    assert all(torch.equal(torch.stack(emitted[i]), torch.stack(again[i])) for i in ids)
+    assert [engine.output_ids(i) for i in ids] == [reread.output_ids(i) for i in ids]

@@ -39,18 +39,19 @@ class AttentionLayout:
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, window: int = 0, lut: torch.Tensor | None = None,
-                   max_len: int | None = None) -> AttentionLayout:
+                   max_len: int | None = None, max_extend: int = 1) -> AttentionLayout:
         """The layout of ``batch``; with ``window`` > 0 a sliding-window layer's, whose slots are
-        translated through ``lut`` (int64[num_slots], full slot -> window slot). ``max_len``: a
-        fixed key width (>= every sequence) for a decode batch (one token per request), which
-        makes the layout free of host syncs (CUDA-graph capture)."""
+        translated through ``lut`` (int64[num_slots], full slot -> window slot). ``max_len`` and
+        ``max_extend``: a key width >= every sequence and a query width >= every request's extend
+        (1: a decode batch), known on the host, which make the layout free of host syncs (a
+        CUDA-graph capture; an eager forward whose shape the engine knows, so that the model's
+        kernels are not held back until the device has run everything launched before them).
+        ``max_len`` None: both read from the batch (a sync)."""
         ext, device = batch.extend_lens, batch.input_ids.device
         bs, num_tokens = batch.batch_size, batch.num_tokens
         seq_lens = batch.prefix_lens + ext
         if max_len is None:
             max_extend, max_len = int(ext.max()), int(seq_lens.max())
-        else:
-            max_extend = 1
         token_req = torch.repeat_interleave(torch.arange(bs, device=device), ext, output_size=num_tokens)
         starts = torch.cumsum(ext, 0) - ext
         token_col = torch.arange(num_tokens, device=device) - starts[token_req]
@@ -70,16 +71,17 @@ class AttentionLayout:
         return cls(token_req, token_col, key_slots, key_valid, mask)
 
 
-def attention_inputs(batch: ForwardBatch, pool: KVPoolBase, num_layers: int, max_len: int | None = None) -> list[
-        tuple[AttentionLayout, torch.Tensor]]:
+def attention_inputs(batch: ForwardBatch, pool: KVPoolBase, num_layers: int, max_len: int | None = None,
+                     max_extend: int = 1) -> list[tuple[AttentionLayout, torch.Tensor]]:
     """Per layer: the layout it reads and the slots it writes its new K/V to (``out_cache_loc``
     for a full-attention layer, ``lut[out_cache_loc]`` for a sliding-window layer); ``max_len``
-    as in ``AttentionLayout.from_batch``."""
-    full = (AttentionLayout.from_batch(batch, max_len=max_len), batch.out_cache_loc)
+    and ``max_extend`` as in ``AttentionLayout.from_batch``."""
+    full = (AttentionLayout.from_batch(batch, max_len=max_len, max_extend=max_extend), batch.out_cache_loc)
     window = pool.window
     if window is None:
         return [full] * num_layers
-    swa = (AttentionLayout.from_batch(batch, window.window, window.lut, max_len), window.lut[batch.out_cache_loc])
+    swa = (AttentionLayout.from_batch(batch, window.window, window.lut, max_len, max_extend),
+           window.lut[batch.out_cache_loc])
     return [swa if layer in window.layers else full for layer in range(num_layers)]
 
 

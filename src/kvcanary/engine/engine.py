@@ -158,7 +158,7 @@ class Engine:
             return StepResult(step_index=-1)
         batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo,
                                     appends=self.config.appends_truth, truth=self.token_truth)
-        batch_reqs = [req for req, _ in plan]
+        widths, batch_reqs = _widths(plan), [req for req, _ in plan]
         graphed = None
         if self.graphs is not None:  # a size's first decode step captures its graph (nothing runs then)
             graphed = self.graphs.load(batch, lambda b: self._device_step(b, static=True))
@@ -168,7 +168,7 @@ class Engine:
             batch = graphed
         self.replaying = graphed is not None
         self.hooks.before_forward(batch)
-        logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch)
+        logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch, widths)
         self.hooks.after_forward(batch)
         if self._late_writes:
             self._land_late_writes(batch)
@@ -205,14 +205,19 @@ class Engine:
             batch=batch,
         )
 
-    def _device_step(self, batch: ForwardBatch, static: bool = False) -> torch.Tensor:
+    def _device_step(self, batch: ForwardBatch, widths: tuple[int, int] | None = None,
+                     static: bool = False) -> torch.Tensor:
         """The device half of a step: prologue hooks, the model, epilogue hooks, with jitter points
-        between them. ``static``: keys over a fixed ``max_ctx`` window, no host sync (capture)."""
+        between them. ``widths``: the batch's (longest sequence, longest extend), from the plan
+        (``_widths``); ``static``: keys over a fixed ``max_ctx`` window (capture). Either way the
+        forward makes no host sync: an eager one would wait there for the device to run all that
+        the prologue launched (a canary's HEAD) before it launches the model's first kernel."""
         spin = self.jitter.spin if self.jitter is not None else lambda point: None
+        max_len, max_extend = (self.config.max_ctx, 1) if static else widths if widths is not None else (None, 1)
         spin(0)
         self.hooks.forward_prologue(batch)
         spin(1)
-        logits = self.model.forward(batch, self.pool, max_len=self.config.max_ctx if static else None,
+        logits = self.model.forward(batch, self.pool, max_len=max_len, max_extend=max_extend,
                                     layer_done=lambda layer: self.hooks.layer_done(batch, layer))
         spin(2)
         self.hooks.forward_epilogue(batch)
@@ -359,3 +364,10 @@ class Engine:
                 f"request {r.request_id} ({r.status.name}) is in no queue"
             )
         self.cache.check_integrity(list(self.requests.values()))
+
+
+def _widths(plan: Schedule) -> tuple[int, int]:
+    """(longest sequence, longest extend) of ``plan``'s forward, from the host's own counts: what
+    ``AttentionLayout.from_batch`` would read back from the device. A padding request (one token at
+    position 0) is never the longer one."""
+    return max(req.num_cached + n for req, n in plan), max(n for _, n in plan)

@@ -105,14 +105,15 @@ class TinyLlama:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: KVPoolBase, max_len: int | None = None,
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                layer_done: Callable[[int], None] | None = None, max_extend: int = 1) -> torch.Tensor:
         """Run ``batch``: writes K/V of its tokens into ``pool`` at ``batch.out_cache_loc`` (every
         layer), reads each request's K/V through ``batch.req_to_token``. Returns the logits of each
-        request's last token: [bs, vocab_size] in the model dtype. ``max_len``: a fixed key width for
-        a decode batch, so the forward makes no host sync (CUDA-graph capture). ``layer_done(i)``
-        runs once layer i has written and read its K/V."""
+        request's last token: [bs, vocab_size] in the model dtype. ``max_len`` and ``max_extend``:
+        the key and query widths, known on the host, so the forward makes no host sync (CUDA-graph
+        capture, an eager forward; ``AttentionLayout.from_batch``). ``layer_done(i)`` runs once
+        layer i has written and read its K/V."""
         c, num_tokens = self.config, batch.num_tokens
-        inputs = attention_inputs(batch, pool, c.num_layers, max_len)  # per layer: (layout, slots written)
+        inputs = attention_inputs(batch, pool, c.num_layers, max_len, max_extend)  # per layer: (layout, written)
         positions = batch.positions.clamp(0, self.max_ctx - 1)  # RoPE table bounds, whatever the batch says
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.embed[batch.input_ids]
