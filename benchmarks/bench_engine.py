@@ -16,7 +16,10 @@ before. A mode with ``/whole`` (e.g. ``--modes partial,partial/whole``) hands ev
 truth as whole histories instead of the default (appends, ``EngineConfig.truth_appends``). A mode
 with ``@N`` (e.g. ``--modes partial,partial@16,partial@0``) sweeps idle prefix-cache slots every N
 steps instead of every 8 (``CanaryConfig.sweep_interval``; 0: no sweeps): the sweep interval's
-cost, in the same run as the default's.
+cost, in the same run as the default's. A mode with ``/readback`` (e.g. ``--modes
+partial,off/readback,partial/readback``) runs its eager forwards as the engine did before they
+took their widths from the plan: the layout reads them back from the device, a host sync that
+waits for everything launched before it (a canary's HEAD). Suffixes combine: ``partial/whole/readback@16``.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
 of each in turn (``run_lockstep``): whole runs one after another see the host drift by several
@@ -43,6 +46,7 @@ import random
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -82,32 +86,49 @@ MODELS = {"bench": ModelConfig(vocab_size=512, hidden=256, num_layers=4, num_hea
                                intermediate=64)}
 
 
+class ReadbackEngine(Engine):
+    """The engine with its eager forwards reading their key and query widths back from the
+    device (``/readback``): the layout's host sync that the plan's widths replaced."""
+
+    def _device_step(self, batch, widths=None, static=False):
+        return super()._device_step(batch, None, static)
+
+
+class Mode(NamedTuple):
+    kind: str  # a key of MODES
+    whole: bool  # token truth as whole histories
+    readback: bool  # ReadbackEngine
+    sweep_interval: int
+
+
 def build(mode: str, device: str, options: dict, model: str = "bench"):
     """(engine, hooks) for ``mode`` on ``model`` (``MODELS``); hooks is None with the canary off."""
-    mc = MODELS[model]
-    kind, truth, interval = parse_mode(mode)
-    if truth:
+    mc, m = MODELS[model], parse_mode(mode)
+    if m.whole:
         options = {**options, "truth_appends": False}
     ec = EngineConfig(num_slots=2400, max_rows=33, max_ctx=256, host_tier_slots=600, max_running=24, device=device,
                       **options)
-    if MODES[kind] is None:
-        return Engine(mc, ec), None
-    return attach_canary(lambda h: Engine(mc, ec, h),
-                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[kind], sweep_interval=interval))
+    engine = ReadbackEngine if m.readback else Engine
+    if MODES[m.kind] is None:
+        return engine(mc, ec), None
+    return attach_canary(lambda h: engine(mc, ec, h),
+                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval))
 
 
-def parse_mode(mode: str) -> tuple[str, bool, int]:
-    """``kind[/whole][@N]`` as (kind, whole histories, sweep interval); exits naming a bad one."""
+def parse_mode(mode: str) -> Mode:
+    """``kind[/whole][/readback][@N]`` as a ``Mode``; exits naming a bad one."""
     rest, at, every = mode.partition("@")
-    kind, _, truth = rest.partition("/")
+    kind, *suffixes = rest.split("/")
     if kind not in MODES:
         sys.exit(f"mode {mode!r}: the kind must be one of {', '.join(MODES)}, got {kind!r}")
-    if truth not in ("", "whole"):
-        sys.exit(f"mode {mode!r}: the only suffix after / is whole (token truth as whole histories), got {truth!r}")
+    bad = [x for x in suffixes if x not in ("whole", "readback")] or [x for x in set(suffixes) if suffixes.count(x) > 1]
+    if bad:
+        sys.exit(f"mode {mode!r}: a suffix after / is whole (token truth as whole histories) or readback (eager "
+                 f"forwards read their widths back), each at most once, got {bad[0]!r}")
     if at and not (every.isdigit() and MODES[kind] is not None):
         sys.exit(f"mode {mode!r}: @ takes a sweep interval >= 0 (steps between sweeps, 0: none) of a canary mode, "
                  f"got {every!r}")
-    return kind, bool(truth), int(every) if at else 8
+    return Mode(kind, "whole" in suffixes, "readback" in suffixes, int(every) if at else 8)
 
 
 def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:

@@ -78,10 +78,38 @@ def test_a_mode_sweeps_at_its_interval(bench):
     assert sweeps[f"partial@{n}"] > sweeps["partial"] > sweeps["partial@0"] == 0
 
 
+def test_a_readback_mode_reads_its_widths_back(bench, monkeypatch):
+    """``/readback``: every eager forward's layout reads its widths back from the batch (``max_len``
+    None); without it none does; suffixes combine, and the tokens are the same either way."""
+    from kvcanary.engine.attention import AttentionLayout
+
+    from_batch, widths = AttentionLayout.from_batch.__func__, []
+
+    def spy(cls, batch, window=0, lut=None, max_len=None, max_extend=1):
+        widths.append(max_len)
+        return from_batch(cls, batch, window, lut, max_len, max_extend)
+
+    monkeypatch.setattr(AttentionLayout, "from_batch", classmethod(spy))
+    prompts = bench.workload(512, 5, seed=int(random.Random().randrange(1 << 16)))
+    outputs = {}
+    for mode in ("off", "off/readback", "partial/whole/readback@4", "partial/whole@4"):
+        widths.clear()
+        engine, hooks = bench.build(mode, "cpu", {}, "micro")
+        assert (hooks is None) == mode.startswith("off")
+        outputs[mode] = engine.generate(prompts, 12)
+        readback = "readback" in mode
+        assert widths and all((w is None) is readback for w in widths), (mode, widths[:8])
+        if hooks is not None:
+            assert hooks.canary.config.sweep_interval == 4 and engine.config.truth_appends is False
+            assert hooks.canary.totals.violations == 0
+    assert all(out == outputs["off"] for out in outputs.values())
+
+
 @pytest.mark.parametrize("mode, message", [
     ("off@4", "mode 'off@4': @ takes a sweep interval >= 0"),
     ("partial@-1", "mode 'partial@-1': @ takes a sweep interval >= 0"),
-    ("partial/all", "the only suffix after / is whole"),
+    ("partial/all", "a suffix after / is whole (token truth as whole histories) or readback"),
+    ("none/whole/whole", "each at most once, got 'whole'"),
     ("nonx", "the kind must be one of off, none, partial, all, got 'nonx'"),
 ])
 def test_a_bad_mode_is_named(mode, message):
