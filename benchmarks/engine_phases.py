@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/engine_phases.py [--device cuda|cpu] [--runs 4] [--lockstep]
                                                        [--model bench|micro] [--requests 96]
+                                                       [--modes partial,none]
 
 Builds one engine per mode (off, partial, none; ``bench_engine.py``'s workload of 96 requests x
 32 new tokens, graph-captured decode on CUDA), warms each up with a run, then times ``--runs``
@@ -14,7 +15,9 @@ Prints, per part and mode: total ms a run, median µs a call and calls a run; on
 captured decode graph replayed alone (device-bound, µs a replay). ``--lockstep``: each run steps
 the modes' engines in turn (``bench_engine.run_lockstep``), so that every mode's parts are timed
 under the same host conditions, a few milliseconds apart; ``--model``: ``bench_engine.MODELS``
-(micro: a CPU step host-bound, as a graph-captured decode step on the H200 is).
+(micro: a CPU step host-bound, as a graph-captured decode step on the H200 is); ``--modes``: the
+canary modes beside "off", in ``bench_engine.py``'s syntax (e.g. ``off/readback,partial,
+partial/readback``: the eager forwards' widths read back from the device, or not, part by part).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import kvcanary.engine.engine as engine_module  # noqa: E402
 import kvcanary.runtime.canary as canary_module  # noqa: E402
 from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 
-MODES = ("off", "partial", "none")
+MODES = ("off", "partial", "none")  # the default modes
 CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back",
                 "rows_landed")
 HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "before_move",
@@ -65,14 +68,19 @@ def main(argv=None) -> None:
     ap.add_argument("--model", choices=sorted(be.MODELS), default="bench")
     ap.add_argument("--lockstep", action="store_true",
                     help="each run steps the modes' engines in turn instead of one run after another")
+    ap.add_argument("--modes", default=",".join(MODES[1:]),
+                    help="modes beside off, comma-separated (bench_engine.py's kind[/whole][/readback][@N])")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.requests < 1:
         sys.exit(f"--runs and --requests must be >= 1, got {args.runs} and {args.requests}")
+    modes = tuple(dict.fromkeys(["off", *args.modes.split(",")]))
+    for m in modes:
+        be.parse_mode(m)
     torch.set_num_threads(1)
-    built = {m: be.build(m, args.device, be.engine_options(args.device == "cuda"), args.model) for m in MODES}
-    for m in MODES:
+    built = {m: be.build(m, args.device, be.engine_options(args.device == "cuda"), args.model) for m in modes}
+    for m in modes:
         be.run_on(m, *built[m], be.workload(512, args.requests, seed=1000), 32)
-    acc = {m: collections.defaultdict(list) for m in MODES}
+    acc = {m: collections.defaultdict(list) for m in modes}
     mode = [None]  # the mode being timed; None: nothing is recorded (a run's own set-up)
 
     def record(label: str, seconds: float) -> None:
@@ -119,7 +127,7 @@ def main(argv=None) -> None:
                 mode[0] = before
         return g
 
-    for m in MODES:
+    for m in modes:
         eng, hooks = built[m]
         eng.step = timed(eng.step, "Engine.step")
         if args.lockstep:
@@ -140,7 +148,7 @@ def main(argv=None) -> None:
             hooks.canary.end_step = _by_step_kind(hooks.canary, record)
     walls = collections.defaultdict(list)
     for k in range(args.runs):
-        order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]
+        order = modes[k % len(modes):] + modes[: k % len(modes)]
         prompts = be.workload(512, args.requests, seed=k)
         done = be.run_lockstep({m: built[m] for m in order}, prompts, 32) if args.lockstep else {}
         for m in order:
@@ -150,12 +158,12 @@ def main(argv=None) -> None:
                 mode[0] = None
             r = done[m]
             walls[m].append((round(r["seconds"], 3), r["steps"], round(r["canary_seconds"], 4)))
-    for m in MODES:
+    for m in modes:
         print(f"{m} runs (s, steps, canary s): {walls[m]}")
-    print(f"{'part (per run, ms; median us)':<28}" + "".join(f"{m:>22}" for m in MODES))
-    for label in sorted(set().union(*(acc[m].keys() for m in MODES))):
+    print(f"{'part (per run, ms; median us)':<28}" + "".join(f"{m:>22}" for m in modes))
+    for label in sorted(set().union(*(acc[m].keys() for m in modes))):
         row = f"{label:<28}"
-        for m in MODES:
+        for m in modes:
             ts = acc[m].get(label, [])
             row += f"{sum(ts) / args.runs * 1e3:10.2f} {statistics.median(ts) * 1e6 if ts else 0:8.1f} " \
                    f"{len(ts) // args.runs:3d}"
@@ -163,7 +171,7 @@ def main(argv=None) -> None:
     if args.device != "cuda":
         return
     print("graph replay, device-bound loop (us per replay):")
-    for m in MODES:
+    for m in modes:
         graphs, row = built[m][0].graphs, []
         for bs in sorted(graphs.captured):
             g = graphs.captured[bs].graph

@@ -163,3 +163,26 @@ def test_engine_phases_lockstep_times_each_mode_on_the_same_steps():
     for i, m in enumerate(("off", "partial", "none")):  # per mode: ms a run, median µs, calls a run
         assert int(rows["Engine.step"][3 * i + 2]) == sum(steps[m]) // 2
         assert int(rows["canary.tail"][3 * i + 2]) == (0 if m == "off" else sum(steps[m]) // 2)
+
+
+def test_engine_phases_takes_the_modes_it_is_given():
+    """``engine_phases.py --modes``: "off" and each given mode (``bench_engine.py``'s syntax), the
+    same steps each; the canary's parts under the canary's modes only; a bad mode named."""
+    script = SCRIPT.parent / "engine_phases.py"
+    modes = ("off", "off/readback", "partial/readback@4")
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
+                           "--runs", "2", "--requests", "5", "--modes", ",".join(modes[1:])], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    walls = {line.split()[0]: ast.literal_eval(line.split(": ", 1)[1]) for line in lines if " runs (s, steps" in line}
+    assert tuple(walls) == modes
+    steps = {m: sum(w[1] for w in ws) // 2 for m, ws in walls.items()}
+    assert len(set(steps.values())) == 1
+    rows = {line.split()[0]: line.split()[1:] for line in lines}
+    for i, m in enumerate(modes):  # per mode: ms a run, median µs, calls a run
+        assert int(rows["Engine.step"][3 * i + 2]) == steps[m]
+        assert int(rows["canary.tail"][3 * i + 2]) == (0 if m.startswith("off") else steps[m])
+    bad = subprocess.run([sys.executable, str(script), "--device", "cpu", "--modes", "partial/readback/x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "a suffix after / is whole" in bad.stderr and "got 'x'" in bad.stderr
