@@ -19,7 +19,9 @@ steps instead of every 8 (``CanaryConfig.sweep_interval``; 0: no sweeps): the sw
 cost, in the same run as the default's. A mode with ``/readback`` (e.g. ``--modes
 partial,off/readback,partial/readback``) runs its eager forwards as the engine did before they
 took their widths from the plan: the layout reads them back from the device, a host sync that
-waits for everything launched before it (a canary's HEAD). Suffixes combine: ``partial/whole/readback@16``.
+waits for everything launched before it (a canary's HEAD). Such a mode's on/off is against
+``off/readback`` where that runs too, else against ``off``. Suffixes combine:
+``partial/whole/readback@16``.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
 of each in turn (``run_lockstep``): whole runs one after another see the host drift by several
@@ -99,6 +101,12 @@ class Mode(NamedTuple):
     whole: bool  # token truth as whole histories
     readback: bool  # ReadbackEngine
     sweep_interval: int
+
+
+def baseline(mode: str, modes) -> str:
+    """The canary-off mode ``mode``'s on/off is taken against: ``off/readback`` for a ``/readback``
+    mode where ``modes`` has it, else ``off``."""
+    return "off/readback" if parse_mode(mode).readback and "off/readback" in modes else "off"
 
 
 def build(mode: str, device: str, options: dict, model: str = "bench"):
@@ -285,8 +293,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
     difference from the canary-off engine's (the median of the repeats' differences), the canary's
     own µs a step in it, what of the difference its own time does not explain (the median of the
     repeats' differences less their canary time), and (replayed steps) the graph replays' device
-    µs and its difference."""
-    off = {r["repeat"]: r for r in runs if r["mode"] == "off"}
+    µs and its difference; each mode against its ``baseline``."""
     med = statistics.median
 
     def per(r, key, kind):
@@ -296,6 +303,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
           f"{'device µs':>10} {'- off':>8}")
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
+        off = {r["repeat"]: r for r in runs if r["mode"] == baseline(m, modes)}
         for kind in ("replayed", "eager"):
             step = med(per(r, kind + "_s", kind) for r in rs)
             more = med(per(r, kind + "_s", kind) - per(off[r["repeat"]], kind + "_s", kind) for r in rs)
@@ -368,8 +376,8 @@ def main(argv=None) -> None:
                 done[m] = run_on(m, engine, hooks, prompts, args.max_new_tokens)
             runs.append(dict(done[m], repeat=k))
         repeats = k + 1
-        off = done["off"]["tok_per_s"]
-        print(f"repeat {k}: " + ", ".join(f"{m} {done[m]['tok_per_s']:.1f} tok/s ({done[m]['tok_per_s'] / off:.3f})"
+        print(f"repeat {k}: " + ", ".join(f"{m} {done[m]['tok_per_s']:.1f} tok/s "
+                                          f"({done[m]['tok_per_s'] / done[baseline(m, modes)]['tok_per_s']:.3f})"
                                           for m in modes), flush=True)
     env = environment(torch.device(args.device))
     print(f"device {env['device_name']}; model {args.model}; {args.requests} requests x {args.max_new_tokens} new "
@@ -377,20 +385,21 @@ def main(argv=None) -> None:
           f"{repeats} interleaved repeats (rotating order); cuda graph {'on' if args.cuda_graph else 'off'}; "
           f"{'a new engine a run' if args.fresh_engines else 'one warmed engine a mode'}"
           f"{f', the engines stepped in turn, {args.lockstep} steps a turn' if args.lockstep else ''}; "
-          "medians [min-max] over repeats; on/off: of each repeat's pair")
+          "medians [min-max] over repeats; on/off: of each repeat's pair"
+          f"{' (a /readback mode against off/readback)' if 'off/readback' in modes else ''}")
     print(f"{'mode':12} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
-    off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == "off"}
     summary = []
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
+        off_of = {r["repeat"]: r["tok_per_s"] for r in runs if r["mode"] == baseline(m, modes)}
         tps = spread([r["tok_per_s"] for r in rs])
         ratios = [r["tok_per_s"] / off_of[r["repeat"]] for r in rs]
         ratio, interval = spread(ratios), median_interval(ratios)
         share = spread([r["canary_seconds"] / r["seconds"] for r in rs])
         viol = sum(r["violations"] for r in rs)
-        summary.append({"mode": m, "tok_per_s": tps["median"], "ratio": ratio["median"],
-                        "canary_share": share["median"], "tok_per_s_spread": tps, "ratio_spread": ratio,
-                        "ratio_median_interval": interval,
+        summary.append({"mode": m, "against": baseline(m, modes), "tok_per_s": tps["median"],
+                        "ratio": ratio["median"], "canary_share": share["median"], "tok_per_s_spread": tps,
+                        "ratio_spread": ratio, "ratio_median_interval": interval,
                         "canary_share_spread": share, "violations": viol})
         band = f"{interval[0]:.3f}-{interval[1]:.3f}"
         print(f"{m:12} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import random
 import statistics
 import subprocess
@@ -118,33 +119,36 @@ def test_a_bad_mode_is_named(mode, message):
     assert proc.returncode != 0 and message in proc.stderr
 
 
-def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, capsys):
+@pytest.mark.parametrize("modes", [("off", "none"), ("off", "off/readback", "none/readback")])
+def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, capsys, modes):
     """The "not canary" column: the median over repeats of (µs a step - the off engine's - the
-    canary's own µs a step), per step kind; the other columns as before."""
+    canary's own µs a step), per step kind; the other columns as before. A /readback mode's off
+    engine is off/readback where that runs."""
     rng = random.Random(5)
     runs = []
     for k in range(5):
-        for m in ("off", "none"):
+        for m in modes:
             n_eager, n_replayed = rng.randrange(50, 150), rng.randrange(100, 400)
-            canary = m != "off"
+            canary = not m.startswith("off")
             runs.append({"mode": m, "repeat": k, "eager": n_eager, "replayed": n_replayed,
                          "eager_s": n_eager * rng.uniform(3e-3, 4e-3),
                          "replayed_s": n_replayed * rng.uniform(1e-3, 2e-3),
                          "eager_canary_s": n_eager * rng.uniform(1e-4, 3e-4) if canary else 0.0,
                          "replayed_canary_s": n_replayed * rng.uniform(2e-5, 6e-5) if canary else 0.0,
                          "graph_device_s": n_replayed * rng.uniform(5e-4, 6e-4)})
-    bench.by_kind(runs, ["off", "none"])
+    bench.by_kind(runs, list(modes))
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in capsys.readouterr().out.splitlines()[1:]}
-    off = {r["repeat"]: r for r in runs if r["mode"] == "off"}
+    off = {r["repeat"]: r for r in runs if r["mode"] == modes[-2]}
+    on = modes[-1]
     for kind in ("eager", "replayed"):
         per = [(1e6 * r[kind + "_s"] / r[kind], 1e6 * off[r["repeat"]][kind + "_s"] / off[r["repeat"]][kind],
-                1e6 * r[kind + "_canary_s"] / r[kind]) for r in runs if r["mode"] == "none"]
-        steps, step, more, canary, rest = (float(x) for x in rows["none", kind][:5])
+                1e6 * r[kind + "_canary_s"] / r[kind]) for r in runs if r["mode"] == on]
+        steps, step, more, canary, rest = (float(x) for x in rows[on, kind][:5])
         assert step == pytest.approx(statistics.median(p[0] for p in per), abs=0.05)
         assert more == pytest.approx(statistics.median(p[0] - p[1] for p in per), abs=0.05)
         assert canary == pytest.approx(statistics.median(p[2] for p in per), abs=0.05)
         assert rest == pytest.approx(statistics.median(p[0] - p[1] - p[2] for p in per), abs=0.05)
-        assert [float(x) for x in rows["off", kind][2:5]] == [0.0, 0.0, 0.0]
+        assert [float(x) for x in rows[modes[-2], kind][2:5]] == [0.0, 0.0, 0.0]
 
 
 def test_engine_phases_lockstep_times_each_mode_on_the_same_steps():
@@ -186,3 +190,21 @@ def test_engine_phases_takes_the_modes_it_is_given():
     bad = subprocess.run([sys.executable, str(script), "--device", "cpu", "--modes", "partial/readback/x"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "a suffix after / is whole" in bad.stderr and "got 'x'" in bad.stderr
+
+
+def test_a_readback_modes_on_off_is_against_off_readback(tmp_path):
+    """The summary's on/off of a /readback mode pairs it with off/readback (each repeat's pair),
+    of any other mode with off; the JSON names the pairing."""
+    out = tmp_path / "run.json"
+    modes = ["off/readback", "partial/readback", "partial"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "micro", "--requests", "4",
+                           "--max-new-tokens", "6", "--repeats", "2", "--lockstep", "--modes", ",".join(modes),
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    tps = {(r["mode"], r["repeat"]): r["tok_per_s"] for r in data["runs"]}
+    want = {"off": "off", "off/readback": "off/readback", "partial/readback": "off/readback", "partial": "off"}
+    for s in data["summary"]:
+        assert s["against"] == want[s["mode"]]
+        ratios = [tps[s["mode"], k] / tps[s["against"], k] for k in range(2)]
+        assert s["ratio"] == pytest.approx(statistics.median(ratios))
