@@ -299,7 +299,8 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
     def per(r, key, kind):
         return 1e6 * r[key] / max(r[kind], 1)
 
-    print(f"{'mode':12} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
+    w = max(12, *map(len, modes))  # the mode column
+    print(f"{'mode':{w}} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
           f"{'device µs':>10} {'- off':>8}")
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
@@ -315,7 +316,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
                 device = med(per(r, "graph_device_s", kind) for r in rs)
                 more_device = med(per(r, "graph_device_s", kind) - per(off[r["repeat"]], "graph_device_s", kind)
                                   for r in rs)
-            print(f"{m:12} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {rest:10.1f} "
+            print(f"{m:{w}} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {rest:10.1f} "
                   f"{device:10.1f} {more_device:8.1f}")
 
 
@@ -387,7 +388,8 @@ def main(argv=None) -> None:
           f"{f', the engines stepped in turn, {args.lockstep} steps a turn' if args.lockstep else ''}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair"
           f"{' (a /readback mode against off/readback)' if 'off/readback' in modes else ''}")
-    print(f"{'mode':12} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
+    w = max(12, *map(len, modes))  # the mode column
+    print(f"{'mode':{w}} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     summary = []
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
@@ -402,7 +404,7 @@ def main(argv=None) -> None:
                         "ratio_spread": ratio, "ratio_median_interval": interval,
                         "canary_share_spread": share, "violations": viol})
         band = f"{interval[0]:.3f}-{interval[1]:.3f}"
-        print(f"{m:12} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
+        print(f"{m:{w}} {fmt(tps, 1):>26} {fmt(ratio, 3):>22} {band:>16} {fmt(share, 3):>22} {viol:10d}")
     if args.lockstep:
         by_kind(runs, modes)
     if args.json:
