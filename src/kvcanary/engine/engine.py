@@ -158,7 +158,7 @@ class Engine:
             return StepResult(step_index=-1)
         batch = build_forward_batch(plan, self.pool.req_to_token, *self._padding(plan), zoo=self.zoo,
                                     appends=self.config.appends_truth, truth=self.token_truth)
-        widths, batch_reqs = _widths(plan), [req for req, _ in plan]
+        batch_reqs = [req for req, _ in plan]
         graphed = None
         if self.graphs is not None:  # a size's first decode step captures its graph (nothing runs then)
             graphed = self.graphs.load(batch, lambda b: self._device_step(b, static=True))
@@ -168,7 +168,7 @@ class Engine:
             batch = graphed
         self.replaying = graphed is not None
         self.hooks.before_forward(batch)
-        logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch, widths)
+        logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch, _widths(plan))
         self.hooks.after_forward(batch)
         if self._late_writes:
             self._land_late_writes(batch)
@@ -213,7 +213,9 @@ class Engine:
         forward makes no host sync: an eager one would wait there for the device to run all that
         the prologue launched (a canary's HEAD) before it launches the model's first kernel."""
         spin = self.jitter.spin if self.jitter is not None else lambda point: None
-        max_len, max_extend = (self.config.max_ctx, 1) if static else widths if widths is not None else (None, 1)
+        if static:
+            widths = (self.config.max_ctx, 1)
+        max_len, max_extend = widths if widths is not None else (None, 1)
         spin(0)
         self.hooks.forward_prologue(batch)
         spin(1)
