@@ -288,6 +288,11 @@ def median_interval(xs: list[float], resamples: int = 2000, seed: int = 0) -> tu
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def mode_width(modes) -> int:
+    """The printed tables' mode column: as wide as the longest mode, at least 12."""
+    return max(12, *map(len, modes))
+
+
 def by_kind(runs: list[dict], modes: list[str]) -> None:
     """Print, per mode and step kind, the median over repeats of the mean µs a step, its
     difference from the canary-off engine's (the median of the repeats' differences), the canary's
@@ -299,7 +304,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
     def per(r, key, kind):
         return 1e6 * r[key] / max(r[kind], 1)
 
-    w = max(12, *map(len, modes))  # the mode column
+    w = mode_width(modes)
     print(f"{'mode':{w}} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
           f"{'device µs':>10} {'- off':>8}")
     for m in modes:
@@ -388,7 +393,7 @@ def main(argv=None) -> None:
           f"{f', the engines stepped in turn, {args.lockstep} steps a turn' if args.lockstep else ''}; "
           "medians [min-max] over repeats; on/off: of each repeat's pair"
           f"{' (a /readback mode against off/readback)' if 'off/readback' in modes else ''}")
-    w = max(12, *map(len, modes))  # the mode column
+    w = mode_width(modes)
     print(f"{'mode':{w}} {'tok/s':>26} {'on/off':>22} {'95 % of median':>16} {'canary share':>22} {'violations':>10}")
     summary = []
     for m in modes:
