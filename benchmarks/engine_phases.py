@@ -17,7 +17,11 @@ the modes' engines in turn (``bench_engine.run_lockstep``), so that every mode's
 under the same host conditions, a few milliseconds apart; ``--model``: ``bench_engine.MODELS``
 (micro: a CPU step host-bound, as a graph-captured decode step on the H200 is); ``--modes``: the
 canary modes beside "off", in ``bench_engine.py``'s syntax (e.g. ``off/readback,partial,
-partial/readback``: the eager forwards' widths read back from the device, or not, part by part).
+partial/readback``: the eager forwards' widths read back from the device, or not, part by part);
+``--inner``: also time the canary's own calls inside its launches (the bound check, the kernel
+launch, the state check, joins, the reporter's advance), to tell Python from a launch the
+driver holds back; ``--sync-head``: every mode's eager forwards wait for the device before their
+prologue (timed as "sync before eager prologue"), so that HEAD launches onto an idle queue.
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine as be  # noqa: E402
 import kvcanary.engine.engine as engine_module  # noqa: E402
+import kvcanary.ops.check as check_module  # noqa: E402
 import kvcanary.runtime.canary as canary_module  # noqa: E402
+import kvcanary.runtime.reporting as reporting_module  # noqa: E402
 from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 
 MODES = ("off", "partial", "none")  # the default modes
 CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back",
                 "rows_landed")
+INNER = ((check_module, "launch_typed"), (check_module.BoundCheck, "__call__"), (check_module.DeviceState, "check"),
+         (canary_module.Canary, "join"), (canary_module.Canary, "_scatter_pending"),
+         (reporting_module.Reporter, "advance"))  # ``--inner``: (owner, name) of each call timed
 HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "before_move",
          "on_offload", "on_load", "on_free")
 
@@ -60,6 +69,18 @@ def _by_step_kind(canary, record):
     return g
 
 
+def _synced(engine, prologue, record):
+    """``prologue`` (an engine's ``hooks.forward_prologue``) after a wait for the device on an eager
+    forward (not a capture), the wait timed as its own part."""
+    def g(batch):
+        if not torch.cuda.is_current_stream_capturing():
+            t = time.perf_counter()
+            torch.cuda.synchronize()
+            record("sync before eager prologue", time.perf_counter() - t)
+        return prologue(batch)
+    return g
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -70,6 +91,9 @@ def main(argv=None) -> None:
                     help="each run steps the modes' engines in turn instead of one run after another")
     ap.add_argument("--modes", default=",".join(MODES[1:]),
                     help="modes beside off, comma-separated (bench_engine.py's kind[/whole][/readback][@N])")
+    ap.add_argument("--inner", action="store_true", help="also time the canary's calls inside its launches")
+    ap.add_argument("--sync-head", action="store_true",
+                    help="eager forwards wait for the device before their prologue (CUDA; timed apart)")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.requests < 1:
         sys.exit(f"--runs and --requests must be >= 1, got {args.runs} and {args.requests}")
@@ -114,6 +138,9 @@ def main(argv=None) -> None:
         setattr(canary_module.Canary, n, timed(getattr(canary_module.Canary, n), f"Canary.{n}"))
     for n in ("entries", "joined"):
         setattr(sweep_module.RunCache, n, timed(getattr(sweep_module.RunCache, n), f"RunCache.{n}"))
+    for owner, n in INNER if args.inner else ():
+        label = f"{getattr(owner, '__name__', owner)}.{n}".removeprefix("kvcanary.ops.check.")
+        setattr(owner, n, timed(getattr(owner, n), label))
     graphs_class = getattr(canary_module, "SweepGraphs", None)  # an older tree has none
     for n in ("load", "again") if graphs_class is not None else ():
         setattr(graphs_class, n, timed(getattr(graphs_class, n), f"SweepGraphs.{n}"))
@@ -133,6 +160,8 @@ def main(argv=None) -> None:
         if args.lockstep:
             eng.step = stepping(eng.step, m)
         eng._device_step = timed(eng._device_step, "eager _device_step")
+        if args.sync_head and args.device == "cuda":
+            eng.hooks.forward_prologue = _synced(eng, eng.hooks.forward_prologue, record)
         for owner, prefix, names in ((eng.scheduler, "", ("schedule", "postprocess")), (eng.sampler, "", ("sample",)),
                                      (eng.delivery, "delivery.", ("sampled", "advance")), (eng.hooks, "hooks.", HOOKS),
                                      (eng.graphs, "graphs.", ("load", "replay")),
