@@ -192,6 +192,27 @@ def test_engine_phases_takes_the_modes_it_is_given():
     assert bad.returncode != 0 and "a suffix after / is whole" in bad.stderr and "got 'x'" in bad.stderr
 
 
+def test_engine_phases_inner_times_the_canarys_own_calls():
+    """``engine_phases.py --inner``: the canary's calls inside its launches get rows of their own,
+    under the canary's modes only (on the CPU: its joins; the bound check, the kernel launch and
+    the reporter's advance are the device path's); ``--sync-head`` waits only on CUDA."""
+    script = SCRIPT.parent / "engine_phases.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
+                           "--runs", "1", "--requests", "4", "--modes", "partial", "--inner", "--sync-head"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
+    steps = int(rows["Engine.step"][2])
+    assert steps > 0 and int(rows["Engine.step"][5]) == steps
+    assert int(rows["Canary.join"][2]) == 0 and int(rows["Canary.join"][5]) > 0  # off, partial: calls a run
+    assert "sync" not in rows and "BoundCheck.__call__" not in rows
+    plain = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
+                            "--runs", "1", "--requests", "4", "--modes", "partial"], capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert "Canary.join" not in plain.stdout
+
+
 def test_a_readback_modes_on_off_is_against_off_readback(tmp_path):
     """The summary's on/off of a /readback mode pairs it with off/readback (each repeat's pair),
     of any other mode with off; the JSON names the pairing."""
