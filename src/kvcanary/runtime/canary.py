@@ -728,6 +728,26 @@ class Canary:
         self.totals.seconds += time.perf_counter() - t0
         return n
 
+    def prefetch_sweep(self, runs: Sequence[SweepRun]) -> int:
+        """Build the entries of ``runs`` now, so that the next ``sweep`` finds them built and
+        converts only the runs that changed or came since (a sweep keeps each run's entries while
+        the run is unchanged: ``RunCache``). For the step before a sweep, where the host waits for
+        the device anyway: after a replayed forward's launch, before the sampling reads its
+        result (pass runs with their slots on the host there: a device run's copy back would wait
+        for the forward). Verifies, holds and launches nothing, touches no record; returns the
+        entries of ``runs``."""
+        if not self.config.enabled:
+            return 0
+        if isinstance(runs, torch.Tensor) or not isinstance(runs, Sequence):
+            raise KVCanaryError(f"prefetch_sweep runs must be a sequence of SweepRun, got {type(runs).__name__}")
+        for i, r in enumerate(runs):
+            if type(r) is not SweepRun:
+                raise KVCanaryError(f"prefetch_sweep runs[{i}] must be a SweepRun, got {type(r).__name__}")
+        t0 = time.perf_counter()
+        self._runs.entries(runs)
+        self.totals.seconds += time.perf_counter() - t0
+        return self._runs.total
+
     def _sweep_whole(self, runs: Sequence[SweepRun], n_max: int, hold: bool) -> int | None:
         """A sweep whose runs fit its budget whole: the same entries as ``sweep_entries`` takes,
         in run order from the first (every one is verified, so where the last sweep stopped does
