@@ -6,7 +6,9 @@ model under CUDA graphs; on CUDA, with one pool, TAIL starts on the canary's sid
 ``layer_done`` of the last covered layer and ``forward_epilogue`` joins it), the step's report
 in ``after_forward``, so on the CPU a violation is known before the step samples: under the
 recompute policy the affected requests are retracted there and produce no token from the
-corrupted forward. Offload and load-back move the records with the K/V rows.
+corrupted forward. After a replayed forward's launch, the step before a sweep, ``after_forward``
+also builds the sweep's runs (``Canary.prefetch_sweep``): the host waits for the replay there
+anyway. Offload and load-back move the records with the K/V rows.
 
 A model with sliding-window layers gets a second Canary for the window pool
 (``PoolKind.SWA``, its window): it reads the batch through the pool's full-slot -> window-slot
@@ -89,6 +91,8 @@ class CanaryHooks(EngineHooks):
         self.step = 0
         self._sweep_every = config.sweep_interval if config.enabled else 0  # steps between sweeps (0: none)
         self.reads_token_truth = config.enabled and config.truth  # the engine builds each forward's truth then
+        # build a sweep's runs after the replayed forward of the step before it (``after_forward``)
+        self.prefetch_sweeps = True
         self.reports: list[StepReport] = []
         self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
 
@@ -172,6 +176,11 @@ class CanaryHooks(EngineHooks):
             report = self._merge_window(report, self.window_canary.end_step(self.step))
         if report.violations or report.alarms or report.recovery is not None:  # a clean step: nothing to handle
             self._handle(report)
+        every = self._sweep_every
+        if every and self.engine.replaying and (self.step + 1) % every == 0 and self.prefetch_sweeps:
+            # the step before a sweep, its forward a replay still running on the device: the host waits
+            # for it at the sampling, so the sweep's runs are built here instead of ahead of the next forward
+            self.canary.prefetch_sweep(self.engine.prefix_cache_slots())
 
     def _handle(self, report: StepReport, keep: bool = True) -> None:
         """Keep (``keep``) a report that found something; under recompute, redo what its recovery
