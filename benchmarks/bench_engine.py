@@ -20,7 +20,9 @@ cost, in the same run as the default's. A mode with ``/readback`` (e.g. ``--mode
 partial,off/readback,partial/readback``) runs its eager forwards as the engine did before they
 took their widths from the plan: the layout reads them back from the device, a host sync that
 waits for everything launched before it (a canary's HEAD). Such a mode's on/off is against
-``off/readback`` where that runs too, else against ``off``. Suffixes combine:
+``off/readback`` where that runs too, else against ``off``. A mode with ``/late`` builds each
+sweep's runs at the sweep, ahead of its forward, as the engine did before it built them after the
+replayed forward of the step before (``CanaryHooks.prefetch_sweeps``). Suffixes combine:
 ``partial/whole/readback@16``.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
@@ -101,6 +103,7 @@ class Mode(NamedTuple):
     whole: bool  # token truth as whole histories
     readback: bool  # ReadbackEngine
     sweep_interval: int
+    late: bool = False  # a sweep's runs built at the sweep (``CanaryHooks.prefetch_sweeps`` off)
 
 
 def baseline(mode: str, modes) -> str:
@@ -119,24 +122,30 @@ def build(mode: str, device: str, options: dict, model: str = "bench"):
     engine = ReadbackEngine if m.readback else Engine
     if MODES[m.kind] is None:
         return engine(mc, ec), None
-    return attach_canary(lambda h: engine(mc, ec, h),
-                         CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval))
+    built = attach_canary(lambda h: engine(mc, ec, h),
+                          CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval))
+    built[1].prefetch_sweeps = not m.late
+    return built
 
 
 def parse_mode(mode: str) -> Mode:
-    """``kind[/whole][/readback][@N]`` as a ``Mode``; exits naming a bad one."""
+    """``kind[/whole][/readback][/late][@N]`` as a ``Mode``; exits naming a bad one."""
     rest, at, every = mode.partition("@")
     kind, *suffixes = rest.split("/")
     if kind not in MODES:
         sys.exit(f"mode {mode!r}: the kind must be one of {', '.join(MODES)}, got {kind!r}")
-    bad = [x for x in suffixes if x not in ("whole", "readback")] or [x for x in set(suffixes) if suffixes.count(x) > 1]
+    bad = ([x for x in suffixes if x not in ("whole", "readback", "late")]
+           or [x for x in set(suffixes) if suffixes.count(x) > 1])
     if bad:
-        sys.exit(f"mode {mode!r}: a suffix after / is whole (token truth as whole histories) or readback (eager "
-                 f"forwards read their widths back), each at most once, got {bad[0]!r}")
+        sys.exit(f"mode {mode!r}: a suffix after / is whole (token truth as whole histories), readback (eager "
+                 f"forwards read their widths back) or late (sweep runs built at the sweep), each at most once, "
+                 f"got {bad[0]!r}")
+    if "late" in suffixes and MODES[kind] is None:
+        sys.exit(f"mode {mode!r}: /late is a canary mode's (the canary-off engine sweeps nothing), got {kind!r}")
     if at and not (every.isdigit() and MODES[kind] is not None):
         sys.exit(f"mode {mode!r}: @ takes a sweep interval >= 0 (steps between sweeps, 0: none) of a canary mode, "
                  f"got {every!r}")
-    return Mode(kind, "whole" in suffixes, "readback" in suffixes, int(every) if at else 8)
+    return Mode(kind, "whole" in suffixes, "readback" in suffixes, int(every) if at else 8, "late" in suffixes)
 
 
 def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:

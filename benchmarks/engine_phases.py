@@ -21,7 +21,9 @@ partial/readback``: the eager forwards' widths read back from the device, or not
 ``--inner``: also time the canary's own calls inside its launches (the bound check, the kernel
 launch, the state check, joins, the reporter's advance), to tell Python from a launch the
 driver holds back; ``--sync-head``: every mode's eager forwards wait for the device before their
-prologue (timed as "sync before eager prologue"), so that HEAD launches onto an idle queue.
+prologue (timed as "sync before eager prologue"), so that HEAD launches onto an idle queue;
+``--as-replayed`` (CPU): the canary's hooks take every forward for a graph replay, so that they do
+what they do after one (build the next sweep's runs: compare a mode with its ``/late`` twin).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ import kvcanary.runtime.reporting as reporting_module  # noqa: E402
 from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 
 MODES = ("off", "partial", "none")  # the default modes
-CANARY_CALLS = ("sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload", "load_back",
-                "rows_landed")
+CANARY_CALLS = ("sweep", "prefetch_sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload",
+                "load_back", "rows_landed")
 INNER = ((check_module, "launch_typed"), (check_module.BoundCheck, "__call__"), (check_module.DeviceState, "check"),
          (canary_module.Canary, "join"), (canary_module.Canary, "_scatter_pending"),
          (reporting_module.Reporter, "advance"))  # ``--inner``: (owner, name) of each call timed
@@ -81,6 +83,14 @@ def _synced(engine, prologue, record):
     return g
 
 
+def _as_replayed(engine, before_forward):
+    """``before_forward`` (a canary's hook) with the engine's forward taken for a graph replay."""
+    def g(batch):
+        engine.replaying = True
+        return before_forward(batch)
+    return g
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -94,6 +104,8 @@ def main(argv=None) -> None:
     ap.add_argument("--inner", action="store_true", help="also time the canary's calls inside its launches")
     ap.add_argument("--sync-head", action="store_true",
                     help="eager forwards wait for the device before their prologue (CUDA; timed apart)")
+    ap.add_argument("--as-replayed", action="store_true",
+                    help="the canary's hooks take every forward for a graph replay (CPU)")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.requests < 1:
         sys.exit(f"--runs and --requests must be >= 1, got {args.runs} and {args.requests}")
@@ -160,6 +172,8 @@ def main(argv=None) -> None:
         if args.lockstep:
             eng.step = stepping(eng.step, m)
         eng._device_step = timed(eng._device_step, "eager _device_step")
+        if args.as_replayed and hooks is not None:
+            hooks.before_forward = _as_replayed(eng, hooks.before_forward)
         if args.sync_head and args.device == "cuda":
             eng.hooks.forward_prologue = _synced(eng, eng.hooks.forward_prologue, record)
         for owner, prefix, names in ((eng.scheduler, "", ("schedule", "postprocess")), (eng.sampler, "", ("sample",)),

@@ -106,10 +106,38 @@ def test_a_readback_mode_reads_its_widths_back(bench, monkeypatch):
     assert all(out == outputs["off"] for out in outputs.values())
 
 
+def test_a_late_mode_builds_its_sweeps_runs_at_the_sweep(bench, monkeypatch):
+    """``/late``: the hooks build no sweep's runs ahead (``prefetch_sweeps`` off), where the
+    default mode builds them after each replayed forward before a sweep (every forward taken for
+    a replay here, on the CPU); the tokens are the same either way."""
+    from kvcanary.engine.canary_hooks import CanaryHooks
+
+    before = CanaryHooks.before_forward
+
+    def replayed(self, batch):
+        self.engine.replaying = True
+        before(self, batch)
+    monkeypatch.setattr(CanaryHooks, "before_forward", replayed)
+    prompts = bench.workload(512, 6, seed=int(random.Random().randrange(1 << 16)))
+    outputs, prefetched = {}, {}
+    for mode in ("partial@4", "partial/late@4", "none/whole/late"):
+        engine, hooks = bench.build(mode, "cpu", {}, "micro")
+        assert hooks.prefetch_sweeps is ("late" not in mode)
+        calls = []
+        prefetch = hooks.canary.prefetch_sweep
+        hooks.canary.prefetch_sweep = lambda runs, calls=calls, prefetch=prefetch: calls.append(1) or prefetch(runs)
+        outputs[mode] = engine.generate(prompts, 12)
+        prefetched[mode] = len(calls)
+        assert hooks.canary.totals.violations == 0 and hooks.canary.totals.sweeps > 0
+    assert prefetched["partial@4"] > 0 and prefetched["partial/late@4"] == prefetched["none/whole/late"] == 0
+    assert outputs["partial@4"] == outputs["partial/late@4"] == outputs["none/whole/late"]
+
+
 @pytest.mark.parametrize("mode, message", [
     ("off@4", "mode 'off@4': @ takes a sweep interval >= 0"),
     ("partial@-1", "mode 'partial@-1': @ takes a sweep interval >= 0"),
-    ("partial/all", "a suffix after / is whole (token truth as whole histories) or readback"),
+    ("partial/all", "a suffix after / is whole (token truth as whole histories), readback"),
+    ("off/late", "mode 'off/late': /late is a canary mode's"),
     ("none/whole/whole", "each at most once, got 'whole'"),
     ("nonx", "the kind must be one of off, none, partial, all, got 'nonx'"),
 ])
