@@ -45,9 +45,18 @@ class Delivered:
     engine: Engine
 
 
-def run_delivered(setup, faults=(), lag: int = 0, max_ticks: int = 3000) -> Delivered:
-    """Drive the workload with the canary and ``faults``; reports read ``lag`` steps late."""
+def run_delivered(setup, faults=(), lag: int = 0, max_ticks: int = 3000, replayed: bool = False) -> Delivered:
+    """Drive the workload with the canary and ``faults``; reports read ``lag`` steps late;
+    ``replayed``: every forward taken for a graph replay (as on CUDA, where a replayed step
+    delivers right after ``after_forward`` and builds the next sweep's runs there)."""
     engine, hooks, _ = attach_faults(lambda h: Engine(setup.model, setup.engine, h), setup.canary, faults)
+    if replayed:
+        before = hooks.before_forward
+
+        def as_replayed(batch):
+            engine.replaying = True
+            before(batch)
+        hooks.before_forward = as_replayed
     for canary in (hooks.canary, hooks.window_canary):
         if canary is not None:
             canary.reporter.lag = lag
@@ -102,6 +111,57 @@ def test_no_token_from_a_damaged_forward_is_delivered(name, lag, fault_free):
     assert_delivered_clean(got, fault_free)
     assert got.tokens == fault_free.tokens  # and every request still delivers all its tokens
     got.engine.check_integrity()
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_replayed_steps_deliver_early_and_still_nothing_damaged(name, fault_free):
+    """Reports a step late, every forward taken for a replay: each step delivers right after
+    ``after_forward``. Nothing from a damaged forward goes out, every request delivers all its
+    tokens, and a clean run delivers each token at the step it does when each step delivers after
+    its sampling."""
+    fault = FAULTS[name](probability=0.5 if name == "cached_slot_flip" else 0.3, seed=3, warmup_steps=8,
+                         max_injections=3)
+    got = run_delivered(recompute_setup(), [fault], 1, replayed=True)
+    assert fault.injections and got.recovered > 0 and got.complete
+    assert_delivered_clean(got, fault_free)
+    assert got.tokens == fault_free.tokens
+    got.engine.check_integrity()
+
+
+def test_a_replayed_step_delivers_early_what_it_delivered_late():
+    late = run_delivered(recompute_setup(), lag=1)
+    early = run_delivered(recompute_setup(), lag=1, replayed=True)
+    # (step, request, index, token): the order of the requests within a step is not kept
+    log = lambda d: sorted(tuple(x) for x in d.engine.delivery.log)  # noqa: E731
+    assert late.complete and early.complete and log(early) == log(late) and len(log(late)) > 0
+    assert early.tokens == late.tokens
+    assert {d.step for d in early.engine.delivery.log} != {0} and early.retracted == late.retracted == 0
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_replayed_step_delivers_before_it_samples(early, monkeypatch):
+    """With ``early_delivery`` (the default) a replayed step's deliveries are logged before its
+    sampling runs; without it, after."""
+    from kvcanary.engine.sampler import Sampler
+
+    engines, seen = [], []
+    sample = Sampler.sample
+
+    def spy(self, *a, **k):
+        log = engines[0].delivery.log
+        seen.append(bool(log) and log[-1].step == engines[0].step_index)  # delivered in this step already
+        return sample(self, *a, **k)
+    monkeypatch.setattr(Sampler, "sample", spy)
+    init = Engine.__init__
+
+    def kept(self, *a, **k):
+        init(self, *a, **k)
+        self.early_delivery = early
+        engines.append(self)
+    monkeypatch.setattr(Engine, "__init__", kept)
+    got = run_delivered(recompute_setup(), lag=1, replayed=True)
+    assert got.complete and len(seen) == got.engine.stats.num_steps
+    assert any(seen) is early
 
 
 def test_without_recompute_the_damage_reaches_the_client(fault_free):

@@ -4,7 +4,9 @@
 -> ``hooks.before_forward`` -> ``hooks.forward_prologue`` -> model (writes and reads the paged
 KV) -> ``hooks.forward_epilogue`` -> ``hooks.after_forward`` (with ``EngineConfig.cuda_graph``,
 prologue + model + epilogue of a decode step replay as one CUDA graph: ``cuda_graph.py``) ->
-sample -> finish (finished requests enter the prefix cache) -> ``hooks.after_step``.
+sample -> finish (finished requests enter the prefix cache) -> deliver -> ``hooks.after_step``.
+With reports read a step late (``delivery``), a replayed step delivers right after
+``after_forward`` instead, while the device runs the replay: what it delivers is the same.
 ``EngineConfig.bugs`` switches on real-bug re-creations (``kvcanary.engine.zoo``); ``Engine.zoo``
 logs their acts.
 """
@@ -82,6 +84,7 @@ class Engine:
         self.jitter = Jitter(config.jitter_seed, config.jitter_ns, 4, self.device) if config.jitter_ns else None
         self.step_index = 0
         self.delivery = Delivery()  # a canary's hooks set its lag to the canary's report lag
+        self.early_delivery = True  # with a lag, a replayed step delivers behind its replay (``step``)
         self._next_id = 0
         self._late_writes: list[InFlightWrite] = []  # zoo (Bug.ABORT_INFLIGHT_WRITE)
 
@@ -170,6 +173,11 @@ class Engine:
         self.hooks.before_forward(batch)
         logits = self.graphs.replay(batch) if graphed is not None else self._device_step(batch, _widths(plan))
         self.hooks.after_forward(batch)
+        # with reports read a step late, the step before's report is in now (``after_forward``): its
+        # tokens may go out while the device still runs this step's replay, instead of after the sampling
+        early = self.replaying and self.delivery.lag > 0 and self.early_delivery
+        if early:
+            self.delivery.advance(self.step_index)
         if self._late_writes:
             self._land_late_writes(batch)
         # a hook may have retracted requests (recompute policy): they produce nothing this step
@@ -192,7 +200,8 @@ class Engine:
         finished = self.scheduler.postprocess(plan, new_tokens, self.step_index, accepted)
         for r in reqs:  # a late report may name the slots they read, whatever they hold by then
             self.delivery.sampled(r, held.get(r.request_id), self.step_index)
-        self.delivery.advance(self.step_index)
+        if not early:  # (tokens sampled now wait ``lag`` steps: nothing more is due this step)
+            self.delivery.advance(self.step_index)
         self.stats.num_steps += 1
         self.hooks.after_step(self.step_index)
         self.step_index += 1
