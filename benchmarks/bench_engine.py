@@ -20,9 +20,11 @@ cost, in the same run as the default's. A mode with ``/readback`` (e.g. ``--mode
 partial,off/readback,partial/readback``) runs its eager forwards as the engine did before they
 took their widths from the plan: the layout reads them back from the device, a host sync that
 waits for everything launched before it (a canary's HEAD). Such a mode's on/off is against
-``off/readback`` where that runs too, else against ``off``. A mode with ``/late`` builds each
-sweep's runs at the sweep, ahead of its forward, as the engine did before it built them after the
-replayed forward of the step before (``CanaryHooks.prefetch_sweeps``). Suffixes combine:
+``off/readback`` where that runs too, else against ``off``. A mode with ``/late`` does after
+the sampling, or ahead of the next forward, what a replayed step now does while the device runs
+its replay, as the engine did before: it builds each sweep's runs at the sweep
+(``CanaryHooks.prefetch_sweeps``), and delivers the tokens of the step before after the sampling
+(``Engine.early_delivery``). Suffixes combine:
 ``partial/whole/readback@16``.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
@@ -103,7 +105,7 @@ class Mode(NamedTuple):
     whole: bool  # token truth as whole histories
     readback: bool  # ReadbackEngine
     sweep_interval: int
-    late: bool = False  # a sweep's runs built at the sweep (``CanaryHooks.prefetch_sweeps`` off)
+    late: bool = False  # sweep runs built at the sweep, tokens delivered after the sampling
 
 
 def baseline(mode: str, modes) -> str:
@@ -124,7 +126,7 @@ def build(mode: str, device: str, options: dict, model: str = "bench"):
         return engine(mc, ec), None
     built = attach_canary(lambda h: engine(mc, ec, h),
                           CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval))
-    built[1].prefetch_sweeps = not m.late
+    built[1].prefetch_sweeps = built[0].early_delivery = not m.late
     return built
 
 
@@ -138,10 +140,11 @@ def parse_mode(mode: str) -> Mode:
            or [x for x in set(suffixes) if suffixes.count(x) > 1])
     if bad:
         sys.exit(f"mode {mode!r}: a suffix after / is whole (token truth as whole histories), readback (eager "
-                 f"forwards read their widths back) or late (sweep runs built at the sweep), each at most once, "
-                 f"got {bad[0]!r}")
+                 f"forwards read their widths back) or late (sweep runs built at the sweep, tokens delivered after "
+                 f"the sampling), each at most once, got {bad[0]!r}")
     if "late" in suffixes and MODES[kind] is None:
-        sys.exit(f"mode {mode!r}: /late is a canary mode's (the canary-off engine sweeps nothing), got {kind!r}")
+        sys.exit(f"mode {mode!r}: /late is a canary mode's (the canary-off engine sweeps nothing and delivers "
+                 f"in its step), got {kind!r}")
     if at and not (every.isdigit() and MODES[kind] is not None):
         sys.exit(f"mode {mode!r}: @ takes a sweep interval >= 0 (steps between sweeps, 0: none) of a canary mode, "
                  f"got {every!r}")

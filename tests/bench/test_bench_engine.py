@@ -106,10 +106,11 @@ def test_a_readback_mode_reads_its_widths_back(bench, monkeypatch):
     assert all(out == outputs["off"] for out in outputs.values())
 
 
-def test_a_late_mode_builds_its_sweeps_runs_at_the_sweep(bench, monkeypatch):
-    """``/late``: the hooks build no sweep's runs ahead (``prefetch_sweeps`` off), where the
-    default mode builds them after each replayed forward before a sweep (every forward taken for
-    a replay here, on the CPU); the tokens are the same either way."""
+def test_a_late_mode_builds_its_sweeps_runs_at_the_sweep_and_delivers_after_the_sampling(bench, monkeypatch):
+    """``/late``: the hooks build no sweep's runs ahead (``prefetch_sweeps`` off) and the engine
+    delivers after the sampling (``early_delivery`` off), where the default mode builds them after
+    each replayed forward before a sweep (every forward taken for a replay here, on the CPU); the
+    tokens are the same either way."""
     from kvcanary.engine.canary_hooks import CanaryHooks
 
     before = CanaryHooks.before_forward
@@ -122,7 +123,7 @@ def test_a_late_mode_builds_its_sweeps_runs_at_the_sweep(bench, monkeypatch):
     outputs, prefetched = {}, {}
     for mode in ("partial@4", "partial/late@4", "none/whole/late"):
         engine, hooks = bench.build(mode, "cpu", {}, "micro")
-        assert hooks.prefetch_sweeps is ("late" not in mode)
+        assert hooks.prefetch_sweeps is engine.early_delivery is ("late" not in mode)
         calls = []
         prefetch = hooks.canary.prefetch_sweep
         hooks.canary.prefetch_sweep = lambda runs, calls=calls, prefetch=prefetch: calls.append(1) or prefetch(runs)
