@@ -3,6 +3,7 @@ whose first rows were prefilled by one forward (the sweep tests)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcanary.config import CanaryConfig
@@ -13,6 +14,14 @@ from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.runs.setup import RunSetup
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry
+
+# (device, fused) of a canary's three paths: the CPU ops one by one, the interpreted Triton kernels
+# on the CPU, the kernels on CUDA
+PATHS = [pytest.param("cpu", False, id="cpu-ops"),
+         pytest.param("cpu", True, id="cpu-triton", marks=pytest.mark.skipif(
+             torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case runs the kernel)")),
+         pytest.param("cuda", None, id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+             not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def small_setup(num_requests: int = 32, seed: int = 0, engine: dict | None = None, **canary) -> RunSetup:

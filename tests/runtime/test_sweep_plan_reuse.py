@@ -13,15 +13,9 @@ from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.sweep import SweepRun
 from kvcanary.runtime.sweep_graphs import SMALLEST, STEP, _count_word, class_sizes, staging_words
 
-from ._helpers import prefilled, read_all
+from ._helpers import PATHS, prefilled, read_all
 
 NUM_SLOTS, CTX = 300, 64
-
-PATHS = [pytest.param("cpu", False, id="cpu-ops"),
-         pytest.param("cpu", True, id="cpu-triton", marks=pytest.mark.skipif(
-             torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case runs the kernel)")),
-         pytest.param("cuda", None, id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-             not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 @pytest.mark.parametrize("device,fused", PATHS)

@@ -16,15 +16,9 @@ from kvcanary.runtime import sweep as sweep_module
 from kvcanary.runtime.canary import Canary, PoolGeometry
 from kvcanary.runtime.sweep import SweepRun
 
-from ._helpers import prefilled, read_all
+from ._helpers import PATHS, prefilled, read_all
 
 NUM_SLOTS, CTX = 300, 64
-
-PATHS = [pytest.param("cpu", False, id="cpu-ops"),
-         pytest.param("cpu", True, id="cpu-triton", marks=pytest.mark.skipif(
-             torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case runs the kernel)")),
-         pytest.param("cuda", None, id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-             not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def _runs(slots, tokens, keep: int) -> list[SweepRun]:
