@@ -19,7 +19,7 @@ step() {  # name, seconds allowed, command...
 }
 step gpu_tests 200 python3 -m pytest -q -m "not slow" -n 8 tests/engine tests/e2e/test_cuda.py \
     tests/bench/test_bench_engine.py tests/runtime/test_sweep_prefetch.py tests/runtime/test_sweep_prefetch_engine.py \
-    tests/faults/test_delivery.py tests/faults/test_replayed_verdicts.py
+    tests/runtime/test_sweep_cuda.py tests/faults/test_delivery.py tests/faults/test_replayed_verdicts.py
 step demo 150 python3 -m kvcanary demo --device cuda --json "$out/demo.json"
 step window $((deadline + 120)) python3 benchmarks/bench_engine.py --device cuda --cuda-graph --requests 384 \
     --repeats 30 --deadline-s "$deadline" --lockstep \

@@ -92,6 +92,42 @@ def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size(busy
         assert [(v.slot, v.point.name) for v in conflicts] == [(target, "HEAD")]
 
 
+def test_a_head_replayed_from_a_graph_holds_no_slots_and_the_next_sweep_finds_its_write():
+    """README, "Held slots in a HEAD replayed from a CUDA graph": an eager HEAD after a hold reports
+    a write into a held slot as READ_CONFLICT (the test above); a captured HEAD holds none, so its
+    replay reports nothing at HEAD, and the write, which overwrote the slot's record, is found by
+    the next sweep over the held runs, at SWEEP, naming the slot. (No model writes the targets'
+    K/V here: each forward's TAIL reports them as missed writes.)"""
+    c, slots, tokens = _filled(6)
+    free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+    table = torch.zeros(ROWS, CTX, dtype=torch.int32, device="cuda")
+    table[1, :2] = torch.tensor(free[:2], dtype=torch.int32)
+    b = ForwardBatch(i64([1]), i64([0]), i64([2]), table, i64([9, 9]), i64([0, 1]), i64(free[:2]))
+    c.prepare_head(b)  # run eagerly once first, as an engine does, then captured
+    c.launch_head(b)
+    c.tail(b)
+    assert {v.point.name for v in read_all(c, 1)} <= {"TAIL"}
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.launch_head(b)
+        c.tail(b)
+    target = slots[0][2]
+    b.out_cache_loc.copy_(i64([free[2], target]))  # the graph's own buffers, as a replay reads them
+    table[1, :2] = torch.tensor([free[2], target], dtype=torch.int32)
+    c.hold(torch.tensor(slots[0], dtype=torch.int64))
+    c.prepare_head(b)
+    graph.replay()
+    found = read_all(c, 3)
+    assert {v.point.name for v in found} <= {"TAIL"}  # the eager HEAD would report READ_CONFLICT here
+    assert not any(v.reasons & Reason.READ_CONFLICT for v in found)
+    c.sweep(_runs(slots, tokens, 0))
+    found = read_all(c, 5)
+    assert (target, "SWEEP") in {(v.slot, v.point.name) for v in found}
+    assert not any(v.reasons & Reason.READ_CONFLICT for v in found)
+
+
 def _columns(c: Canary, n: int) -> list:
     p = c.sweep_plan
     return [int(p.count[0])] + [t[:n].tolist() for t in (p.slot, p.pred, p.position, p.token, p.entry, p.row)]
