@@ -3,12 +3,13 @@
 # scheduling, the fault and zoo demo on CUDA, the on/off of the current engine against the
 # engine without each scheduling change (bench_engine.py's /readback and /late suffixes), and the
 # canary's calls inside its launches. Every step writes its output under OUT; a failing step does
-# not stop the next. The last lines printed are the on/off table.
+# not stop the next. The last lines printed are the on/off table. Each step has a time limit; with
+# the default deadline (150 s of timed repeats) the whole script stays under 600 s.
 #   benchmarks/device_engine_window.sh OUT [DEADLINE_S]
-# e.g. benchmarks/device_engine_window.sh "$OUT" 200
+# e.g. benchmarks/device_engine_window.sh "$OUT" 150
 set -uo pipefail
 out=${1:?usage: device_engine_window.sh OUT [DEADLINE_S]}
-deadline=${2:-200}
+deadline=${2:-150}
 mkdir -p "$out"
 export PYTHONPATH=src
 step() {  # name, seconds allowed, command...
@@ -17,14 +18,14 @@ step() {  # name, seconds allowed, command...
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/status.txt"
 }
-step gpu_tests 200 python3 -m pytest -q -m "not slow" -n 8 tests/engine tests/e2e/test_cuda.py \
+step gpu_tests 150 python3 -m pytest -q -m "not slow" -n 8 tests/engine tests/e2e/test_cuda.py \
     tests/bench/test_bench_engine.py tests/runtime/test_sweep_prefetch.py tests/runtime/test_sweep_prefetch_engine.py \
     tests/runtime/test_sweep_cuda.py tests/faults/test_delivery.py tests/faults/test_replayed_verdicts.py
-step demo 150 python3 -m kvcanary demo --device cuda --json "$out/demo.json"
-step window $((deadline + 120)) python3 benchmarks/bench_engine.py --device cuda --cuda-graph --requests 384 \
+step demo 100 python3 -m kvcanary demo --device cuda --json "$out/demo.json"
+step window $((deadline + 70)) python3 benchmarks/bench_engine.py --device cuda --cuda-graph --requests 384 \
     --repeats 30 --deadline-s "$deadline" --lockstep \
     --modes off/readback,partial,partial/readback,partial/late,partial/readback/late --json "$out/window.json"
-step phases 150 python3 benchmarks/engine_phases.py --device cuda --lockstep --runs 3 --inner \
+step phases 110 python3 benchmarks/engine_phases.py --device cuda --lockstep --runs 3 --inner \
     --modes off/readback,partial,partial/readback/late
 tail -n 3 "$out/gpu_tests.txt"
 tail -n 16 "$out/window.txt"
