@@ -19,21 +19,14 @@ from kvcanary.engine.config import ModelConfig, SamplerKind
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.engine.zoo import Bug
-from kvcanary.errors import CapacityError
 from kvcanary.faults import FAULTS
-from kvcanary.faults.hooks import attach_faults
 from kvcanary.faults.zoo_tracker import ZooTracker
 from kvcanary.ops.fingerprint import FingerprintMode
 from kvcanary.runs.campaign import twin, zoo_cases
-from kvcanary.runs.driver import run_workload
 
-from ._helpers import small_setup
+from ._helpers import drive, small_setup
 
 GREEDY = {"sampler": SamplerKind.GREEDY}  # outputs depend on every K/V the model reads
-
-
-class StepLimit(Exception):
-    pass
 
 
 @dataclasses.dataclass
@@ -48,37 +41,12 @@ class Delivered:
 def run_delivered(setup, faults=(), lag: int = 0, max_ticks: int = 3000, replayed: bool = False) -> Delivered:
     """Drive the workload with the canary and ``faults``; reports read ``lag`` steps late;
     ``replayed``: every forward taken for a graph replay (as on CUDA, where a replayed step
-    delivers right after ``after_forward`` and builds the next sweep's runs there)."""
-    engine, hooks, _ = attach_faults(lambda h: Engine(setup.model, setup.engine, h), setup.canary, faults)
-    if replayed:
-        before = hooks.before_forward
-
-        def as_replayed(batch):
-            engine.replaying = True
-            before(batch)
-        hooks.before_forward = as_replayed
-    for canary in (hooks.canary, hooks.window_canary):
-        if canary is not None:
-            canary.reporter.lag = lag
-    engine.delivery.lag = lag
-    ticks = 0
-
-    def bound(done: int, total: int) -> None:
-        nonlocal ticks
-        ticks += 1
-        if ticks > max_ticks:  # a deterministic bug may re-trigger on every re-prefill
-            raise StepLimit
-
-    complete = True
-    try:
-        run_workload(engine, setup.workload, bound)
-        hooks.flush(engine.step_index)
-    except (StepLimit, CapacityError, AssertionError):
-        # a bug that acts again on every re-prefill quarantines the pool (CapacityError) or breaks a
-        # host invariant (AssertionError): the run stops; what it delivered until then is judged
-        complete = False
+    delivers right after ``after_forward`` and builds the next sweep's runs there). A run that
+    stops early (a bug acting again on every re-prefill) is judged on what it delivered."""
+    run = drive(setup, faults, lag, replayed, max_ticks)
+    engine = run.engine
     recovered = engine.stats.num_recomputes + engine.stats.num_quarantined_slots
-    return Delivered(engine.delivery.tokens(), engine.delivery.retracted, recovered, complete, engine)
+    return Delivered(engine.delivery.tokens(), engine.delivery.retracted, recovered, run.complete, engine)
 
 
 def assert_delivered_clean(got: Delivered, want: Delivered) -> None:

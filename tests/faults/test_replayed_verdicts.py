@@ -3,12 +3,12 @@
 On CUDA a replayed decode step does two things after ``after_forward``, behind the replay the
 device still runs: the hooks build the next sweep's runs (``Canary.prefetch_sweep``) on the step
 before a sweep, and with reports read a step late the engine delivers the step before's tokens
-(``Engine.early_delivery``). Neither may change what the canary finds. Each case runs three
-times with every forward taken for a replay:
-- reports a step late (as on CUDA), the new scheduling;
-- the same with both changes off (``CanaryHooks.prefetch_sweeps``, ``Engine.early_delivery``);
-- reports read in the step (as on the CPU), the prefetch on, against a run whose forwards are
-  not taken for replays (no prefetch).
+(``Engine.early_delivery``). Neither may change what the canary finds. Each case runs as two
+pairs:
+- reports a step late (as on CUDA), every forward taken for a replay, both changes on against
+  both off (``CanaryHooks.prefetch_sweeps``, ``Engine.early_delivery``);
+- reports read in the step (as on the CPU), the prefetch on with every forward taken for a
+  replay, against forwards not taken for replays (no prefetch).
 Each pair must find the same violations (step, slot, launch point, reasons), in the same order,
 and deliver the same tokens at the same steps. Each run must have found the damage, and the
 runs with the prefetch must have used it."""
@@ -21,23 +21,15 @@ import pytest
 
 from kvcanary.config import CanaryConfig
 from kvcanary.engine.config import ModelConfig
-from kvcanary.engine.engine import Engine
 from kvcanary.engine.workload import WorkloadConfig
 from kvcanary.engine.zoo import Bug
-from kvcanary.errors import CapacityError
 from kvcanary.faults import FAULTS
-from kvcanary.faults.hooks import attach_faults
 from kvcanary.faults.judge import judge
 from kvcanary.faults.zoo_tracker import ZooTracker
 from kvcanary.ops.fingerprint import FingerprintMode
 from kvcanary.runs.campaign import zoo_cases
-from kvcanary.runs.driver import run_workload
 
-from ._helpers import small_setup
-
-
-class _StepLimit(Exception):
-    pass
+from ._helpers import drive, small_setup
 
 
 @dataclasses.dataclass
@@ -48,44 +40,26 @@ class _Run:
     judged: object
 
 
-def _run(setup, make_fault, lag: int, replayed: bool, new: bool, max_ticks: int = 3000) -> _Run:
-    fault = make_fault()
-    engine, hooks, _ = attach_faults(lambda h: Engine(setup.model, setup.engine, h), setup.canary, [fault])
-    hooks.prefetch_sweeps = engine.early_delivery = new
-    prefetches = [0]
-    canaries = [c for c in (hooks.canary, hooks.window_canary) if c is not None]
-    for canary in canaries:
-        canary.reporter.lag = lag
-        prefetch = canary.prefetch_sweep
+def _run(setup, make_fault, lag: int, replayed: bool, new: bool) -> _Run:
+    """One run; ``new``: the hooks' prefetch and the engine's early delivery on (both off else). A
+    zoo run may stop early; it stops the same way in both runs of a pair."""
+    fault, prefetches = make_fault(), [0]
 
-        def counted(runs, prefetch=prefetch):
-            prefetches[0] += 1
-            return prefetch(runs)
-        canary.prefetch_sweep = counted
-    engine.delivery.lag = lag
-    if replayed:
-        before = hooks.before_forward
+    def prepared(engine, hooks):
+        hooks.prefetch_sweeps = engine.early_delivery = new
+        for canary in (hooks.canary, hooks.window_canary):
+            if canary is not None:
+                prefetch = canary.prefetch_sweep
 
-        def as_replayed(batch):
-            engine.replaying = True  # as the engine sets it before a graph replay
-            before(batch)
-        hooks.before_forward = as_replayed
-    ticks = [0]
+                def counted(runs, prefetch=prefetch):
+                    prefetches[0] += 1
+                    return prefetch(runs)
+                canary.prefetch_sweep = counted
 
-    def bound(done: int, total: int) -> None:
-        ticks[0] += 1
-        if ticks[0] > max_ticks:  # a zoo bug may act again on every re-prefill
-            raise _StepLimit
-
-    violations = []
-    try:
-        run_workload(engine, setup.workload, bound)
-        violations = hooks.flush(engine.step_index).violations
-    except (_StepLimit, CapacityError, AssertionError):
-        pass  # a zoo run may stop early; it stops the same way in both runs of a pair
-    violations = [v for r in hooks.reports for v in r.violations] + list(violations)
+    run = drive(setup, [fault], lag, replayed, before_run=prepared)
+    violations = [v for r in run.hooks.reports for v in r.violations] + run.final
     return _Run([(v.step, v.slot, v.point.name, int(v.reasons)) for v in violations],
-                sorted(tuple(d) for d in engine.delivery.log), prefetches[0],
+                sorted(tuple(d) for d in run.engine.delivery.log), prefetches[0],
                 judge(fault, fault.injections, violations))
 
 
