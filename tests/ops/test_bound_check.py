@@ -57,8 +57,9 @@ def outputs(state: DeviceState, sources) -> dict:
 @settings(max_examples=8, deadline=None)
 @given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=4),
        mode=st.sampled_from(MODES), with_truth=st.booleans(), corrupt=st.sampled_from([0.0, 0.2]),
-       lut=st.booleans(), stamp=st.booleans(), tag=st.integers(0, 11))
-def test_bound_launch_gives_check_forwards_bytes(seed, lens, mode, with_truth, corrupt, lut, stamp, tag):
+       lut=st.booleans(), stamp=st.booleans(), tag=st.integers(0, 11), counted=st.booleans())
+def test_bound_launch_gives_check_forwards_bytes(seed, lens, mode, with_truth, corrupt, lut, stamp, tag, counted):
+    """``counted``: the held slots as ``held_words``, a count that stops before random slots after it."""
     gen = torch.Generator().manual_seed(seed)
     w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=with_truth,
                    corrupt=corrupt, lut=lut, window=0, stamp=stamp, tag=tag)
@@ -69,17 +70,28 @@ def test_bound_launch_gives_check_forwards_bytes(seed, lens, mode, with_truth, c
         state = state_of(w, max_bs, max_tokens)
         sources = on_device(w["sources"], DEV)
         batch = {k: on_device(w[k], DEV) for k in BATCH}
-        truth, held = on_device(w["truth"], DEV), on_device(w["held"], DEV) if stamp else None
+        truth, held = on_device(w["truth"], DEV), on_device(w["held"], DEV) if stamp or counted else None
+        words = None
+        if counted:
+            after = torch.randint(1, state.num_slots, (3,), generator=torch.Generator().manual_seed(seed))
+            words, held = torch.cat([torch.tensor([held.shape[0]], device=DEV), held, after.to(DEV)]), None
         lut_t = on_device(w["lut"], DEV)
         if bound:
             check = BoundCheck(state, stamp=stamp, sources=sources, mode=mode, truth=truth,
                                truth_lens=padded_lens(w, max_bs, gen) if with_truth else None)
-            assert check(*batch.values(), tag=tag, truth=with_truth, lut=lut_t, held=held)
+            assert check(*batch.values(), tag=tag, truth=with_truth, lut=lut_t, held=held, held_words=words) \
+                == (stamp or not counted)  # TAIL takes no held slots: check_forward ignores them
+            if not stamp and counted:
+                check_forward(state=state, **batch, tag=tag, stamp=stamp, truth=truth,
+                              truth_lens=on_device(w["truth_lens"], DEV), sources=sources, mode=mode, lut=lut_t,
+                              held_words=words, backend=Backend.TRITON)
         else:
             check_forward(state=state, **batch, tag=tag, stamp=stamp, truth=truth,
                           truth_lens=on_device(w["truth_lens"], DEV), sources=sources, mode=mode, lut=lut_t,
-                          held=held, backend=Backend.TRITON)
+                          held=held, held_words=words, backend=Backend.TRITON)
         got[bound] = outputs(state, sources)
+        if counted:
+            got[bound]["held_words"] = words.clone()
     for name, want in got[False].items():
         assert_same(f"{name} (bound)", got[True][name], want)
 

@@ -223,6 +223,43 @@ def test_matches_the_sequence_of_ops(seed, lens, mode, with_truth, corrupt, lut,
         assert rows == []
 
 
+@settings(max_examples=8)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 5)), min_size=1, max_size=4),
+       lut=st.booleans(), stamp=st.booleans(), count=st.sampled_from(["exact", "beyond", "negative", "zero"]))
+def test_counted_held_slots_are_the_slots_they_count_and_head_consumes_them(seed, lens, lut, stamp, count):
+    """``held_words`` (the count, then the slots): HEAD checks the first ``count`` slots as
+    ``held`` does, the count clamped to [0, capacity], and sets the count to 0; TAIL leaves the
+    words alone. The words after the count are write targets: a kernel reading past the count
+    would report them. Every backend against the reference's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=FingerprintMode.PARTIAL, with_truth=True,
+                   corrupt=0.3, lut=lut, window=0, stamp=stamp, tag=5)
+    held = w.pop("held").tolist()
+    table = w["lut"].tolist() if lut else None
+    targets = [ref.translate(s, table) for s in w["out_cache_loc"].tolist()]
+    beyond = [s for s in targets if 0 < s < w["canary"].shape[0] and s not in held][:3]
+    value = {"exact": len(held), "beyond": len(held) + len(beyond) + 4, "negative": -3, "zero": 0}[count]
+    words = torch.tensor([value, *held, *beyond], dtype=torch.int64)
+    counted = (held + beyond)[: max(0, min(value, len(held) + len(beyond)))]
+    rows_want, checked = expected_rows(w | {"held": torch.tensor(counted, dtype=torch.int64)})
+    for backend in WITH_NUMBA:
+        args, _ = run_op(check_forward, backend, **w, held_words=words)
+        assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]),
+                    rows_want)
+        after = words.clone()
+        if stamp:
+            after[0] = 0
+        assert_same(f"held_words [{backend.value}]", args["held_words"], after)
+    if stamp and beyond and count == "exact":  # the slots past the count are written and not reported
+        assert not any(r[1] in beyond and r[7] & Reason.READ_CONFLICT and r[6] == 0 for r in rows_want)
+
+
+def expected_rows(w: dict) -> tuple[list, int]:
+    """The reference's ring rows and checked count for ``w``."""
+    _, _, rows, checked, _, _ = expected(w)
+    return rows, checked
+
+
 @pytest.mark.parametrize("stamp", [True, False], ids=["head", "tail"])
 def test_writes_spanning_blocks_continue_the_chain(stamp):
     """Segments that open in one 1024-token block and close blocks later: the look-back carries."""
@@ -308,6 +345,10 @@ def valid_world() -> dict:
     (dict(workspace=Workspace.allocate(1, 8)), ValueError, "workspace max_bs 1 < bs (2)"),
     (dict(workspace="x"), TypeError, "state.workspaces[0] must be a Workspace"),
     (dict(split=0), ValueError, "split 0 out of range [1, 1024]"),
+    (dict(held=torch.tensor([3]), held_words=torch.tensor([1, 3])), ValueError, "pass one of them, got both"),
+    (dict(held=None, held_words=torch.zeros(0, dtype=torch.int64)), ValueError, "held_words length 0 < 1"),
+    (dict(held=None, held_words=torch.tensor([1, 3], dtype=torch.int32)), TypeError, "held_words"),
+    (dict(held=None, held_words=torch.tensor([[1, 3]])), ValueError, "held_words"),
 ])
 def test_validation_errors(change, exc, fragment):
     w = valid_world() | change

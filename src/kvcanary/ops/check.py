@@ -65,7 +65,16 @@ from kvcanary.ops._common import (
 from kvcanary.ops._cpu import use_numba
 from kvcanary.ops._jit import find_segment, link64, seg_add
 from kvcanary.ops._ring import validate_ring
-from kvcanary.ops.conflicts import WriteMarks, check_writes, conflict_lanes, epoch_key, mark_slots, validate_marks
+from kvcanary.ops.conflicts import (
+    WriteMarks,
+    check_writes,
+    conflict_lanes,
+    counted_held,
+    epoch_key,
+    mark_slots,
+    validate_held_words,
+    validate_marks,
+)
 from kvcanary.ops.fingerprint import (
     FingerprintMode,
     block_words,
@@ -307,7 +316,8 @@ def _verify_request(words_ptr, rpi_ptr, prefix_ptr, rtt_ptr, lut_ptr, truth_ptr,
 @triton.jit
 def _mark_writes(loc_ptr, woff_ptr, lut_ptr, held_ptr, marks_ptr, mkey, n, bs, n_held, num_slots, lut_len,
                  HAS_LUT: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
-    """``check_writes``' marks of the written tokens (writers) and of the held slots (readers, row 0)."""
+    """``check_writes``' marks of the written tokens (writers) and of the held slots (readers, row 0).
+    ``n_held`` < 0: the held slots counted (``held_words``), -n_held words: the count, then the slots."""
     lane = tl.arange(0, BLOCK).to(tl.int64)
     for c in range(0, n, BLOCK):
         t = c + lane
@@ -316,10 +326,15 @@ def _mark_writes(loc_ptr, woff_ptr, lut_ptr, held_ptr, marks_ptr, mkey, n, bs, n
         if HAS_LUT:
             slot = _translate(slot, lut_ptr, lut_len, True)
         mark_slots(marks_ptr, slot, live & (find_segment(woff_ptr + 1, t, bs, NBITS) < bs), t, mkey, num_slots, 0)
-    for c in range(0, n_held, BLOCK):
+    counted = n_held < 0
+    count = tl.load(held_ptr, mask=counted, other=0).to(tl.int64)
+    count = tl.where(counted, tl.minimum(tl.maximum(count, 0), -n_held - 1), n_held)
+    first = counted.to(tl.int64)  # the slots after the count word
+    for c in range(0, count, BLOCK):
         i = c + lane
-        h = i < n_held
-        mark_slots(marks_ptr, tl.load(held_ptr + i, mask=h, other=0), h, tl.zeros_like(i), mkey, num_slots, 1)
+        h = i < count
+        mark_slots(marks_ptr, tl.load(held_ptr + first + i, mask=h, other=0), h, tl.zeros_like(i), mkey, num_slots,
+                   1)
 
 
 @triton.jit
@@ -466,6 +481,8 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
                 tl.atomic_or(err_ptr, ends, sem="relaxed")
         tl.atomic_add(stats_ptr + tag * 3 + 0, 1)
         tl.debug_barrier()
+        if STAMP:  # counted held slots: consumed, their count read before the barrier
+            tl.store(held_ptr, 0, mask=n_held < 0)
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     elif ticket <= n_verify:
         v = ticket - 1
@@ -506,6 +523,13 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
             publish_row(counter_ptr, pub_seq_ptr, pub_rows_ptr, pub_num_rows, PUB_W, PUB_BLOCK, FENCE)
 
 
+def _held_arg(held: torch.Tensor | None, counted: bool = False) -> int:
+    """The kernel's ``n_held`` for ``held`` (slots), or for ``held_words`` where ``counted``: minus its length."""
+    if held is None:
+        return 0
+    return -held.shape[0] if counted else held.shape[0]
+
+
 def verify_split(bs: int, max_ctx: int, block: int) -> int:
     """Programs per request: enough to fill ~TARGET_PROGRAMS programs, no more than a full row needs."""
     return max(1, min(cdiv(max_ctx, block), cdiv(TARGET_PROGRAMS, max(bs, 1))))
@@ -518,7 +542,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
                   mode: FingerprintMode = FingerprintMode.NONE, meta: torch.Tensor | None = None,
                   lut: torch.Tensor | None = None, window: int = 0, split: int | None = None,
                   max_spins: int | None = None, marks: WriteMarks | None = None, held: torch.Tensor | None = None,
-                  backend: Backend = Backend.AUTO) -> None:
+                  held_words: torch.Tensor | None = None, backend: Backend = Backend.AUTO) -> None:
     """HEAD (``stamp=True``) or TAIL (``stamp=False``) of one forward (see module doc) on ``state``.
     Never raises on values; raises InputTypeError / InputError for wrong dtypes, shapes, devices,
     sources, meta, tag or a state whose workspace is too small, before anything is written. The
@@ -529,7 +553,9 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     up and raises ``DeviceFlag.WORKSPACE`` in ``state.error`` (None: 2**24 on CUDA, seconds of
     waiting; 64 elsewhere, where the interpreter runs programs in ticket order and never waits).
     HEAD also checks the write targets (``ops.conflicts``): ``marks`` is its scratch (allocated per
-    call when None, which is not capturable), ``held`` the idle prefix-cache slots. With
+    call when None, which is not capturable), ``held`` the idle prefix-cache slots, or
+    ``held_words`` the same counted (``ops.conflicts``: the count, then the slots; HEAD reads the
+    count on the device and sets it to 0, so a captured HEAD checks each replay's holds once). With
     ``sources``, HEAD marks every write target in each source and TAIL reports the targets still
     marked as MISSED_WRITE and records no fingerprint for them (``ops.landed``); HEAD checks no
     fingerprint."""
@@ -540,15 +566,23 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
     device = state.device
     meta = validate_meta(meta, sources, mode, device)
     validate_marks(marks, held, state.num_slots, device)
+    validate_held_words(held_words, held, device)
     _check_split(split, max_spins)
+    counted = stamp and held_words is not None
+    if counted and not use_triton(backend, device):
+        held = counted_held(held_words)
     if use_numba(backend, device):
         _cpu.check(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                    out_cache_loc, truth, truth_lens, lut, held if stamp else None, tag, stamp, sources, meta, window)
+        if counted:
+            held_words[:1].zero_()
         return
     if not use_triton(backend, device):
         _check_torch(state, req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions,
                      out_cache_loc, truth, truth_lens, lut, window, tag, stamp, sources, mode, meta,
                      held if stamp else None)
+        if counted:
+            held_words[:1].zero_()
         return
     if workspace is None:
         workspace = Workspace.allocate(max(req_pool_indices.shape[0], 1), max(input_ids.shape[0], 1), device)
@@ -556,7 +590,7 @@ def check_forward(*, state: DeviceState, req_pool_indices: torch.Tensor, prefix_
         marks = WriteMarks.allocate(state.num_slots, device)
     _CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins).launch(
         req_pool_indices, prefix_lens, extend_lens, req_to_token, input_ids, positions, out_cache_loc, truth,
-        truth_lens, lut, held if stamp else None, tag)
+        truth_lens, lut, held_words if counted else held if stamp else None, tag, counted=counted)
 
 
 def _check_split(split, max_spins) -> None:
@@ -605,19 +639,22 @@ class _CheckLaunch:
         self._splits: dict = {}  # (bs, max_ctx) -> ``verify_split``'s programs a request
 
     def launch(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held, tag,
-               publish: bool = False, truth_ids=None, truth_offsets=None, truth_starts=None) -> None:
+               publish: bool = False, truth_ids=None, truth_offsets=None, truth_starts=None,
+               counted: bool = False) -> None:
+        """``counted``: ``held`` is ``check_forward``'s ``held_words``."""
         rows, max_ctx = rtt.shape
         self.launch_laid(self.tensors(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held,
                                       truth_ids, truth_offsets, truth_starts),
-                         lut is not None, truth is not None, held, tag,
+                         lut is not None, truth is not None, _held_arg(held, counted), tag,
                          (ids.shape[0], rpi.shape[0], rows, max_ctx, rtt.stride(0), lut.shape[0] if lut is not None
                           else 0), publish=publish, n_tids=truth_ids.shape[0] if truth_ids is not None else -1,
                          starts=truth_starts is not None)
 
-    def launch_laid(self, tensors: tuple, has_lut: bool, has_truth: bool, held, tag: int, laid: tuple,
+    def launch_laid(self, tensors: tuple, has_lut: bool, has_truth: bool, held: int, tag: int, laid: tuple,
                     addresses: list | None = None, publish: bool = False, n_tids: int = -1,
                     starts: bool = False) -> None:
-        """``launch`` of ``tensors`` (``tensors()``) with the batch's sizes read already: ``laid`` is
+        """``launch`` of ``tensors`` (``tensors()``) with the batch's sizes read already: ``held`` is
+        the kernel's ``n_held`` (``_held_arg``); ``laid`` is
         (n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0); ``addresses``: the tensors'
         ``data_ptr()``, where the caller read them; ``publish``: the last program out publishes
         the counter block (``publication``, bound); ``n_tids`` >= 0: HEAD scatters the truth
@@ -635,13 +672,13 @@ class _CheckLaunch:
         grid = 1 + n_verify + (-(-n // self.block_t) if self.writers else 0)  # cdiv
         truth_t = tensors[5]  # the truth table, or the page table in its place
         scatter = n_tids >= 0
-        variant = (has_lut, has_truth, held is not None, publish, scatter, starts)
+        variant = (has_lut, has_truth, held != 0, publish, scatter, starts)
         constexprs = self._variants.get(variant)
         if constexprs is None:
             constexprs = self._constexprs(has_lut, has_truth, publish, scatter, starts)
         launch_typed(_check_kernel, (grid,), tensors,
                      (*laid, truth_t.stride(0), truth_t.shape[1], tag, split, n_verify, grid,
-                      held.shape[0] if held is not None else 0, n_tids if scatter else 0),
+                      held, n_tids if scatter else 0),
                      variant, constexprs, num_warps=self.num_warps, fixed=self.fixed, addresses=addresses)
 
     def tensors(self, rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, truth, truth_lens, lut, held,
@@ -792,11 +829,13 @@ class BoundCheck:
                  req_to_token: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, *, tag: int, truth: bool = False, lut: torch.Tensor | None = None,
                  held: torch.Tensor | None = None, publish: bool = False, truth_ids: torch.Tensor | None = None,
-                 truth_offsets: torch.Tensor | None = None, truth_starts: torch.Tensor | None = None) -> bool:
+                 truth_offsets: torch.Tensor | None = None, truth_starts: torch.Tensor | None = None,
+                 held_words: torch.Tensor | None = None) -> bool:
         """HEAD (the bound ``stamp``) or TAIL of one batch, with the bound truth table when
         ``truth``, publishing the counter block when ``publish``, scattering ``truth_ids`` by
         ``truth_offsets`` (from the columns ``truth_starts``, appends, where given) into the truth
-        table first (HEAD with ``truth``); True when launched (see the class doc)."""
+        table first (HEAD with ``truth``), checking ``held`` or ``held_words`` (``check_forward``'s);
+        True when launched (see the class doc)."""
         if publish is not False and (publish is not True or self._launch.publication is None):
             raise InputError(f"publish must be True or False, got {publish!r}" if publish is not True else
                              "publish=True but this BoundCheck has no publication; bind one with "
@@ -823,6 +862,12 @@ class BoundCheck:
         if held is not None and (not self.stamp or not isinstance(held, torch.Tensor)
                                  or not vector_ok(held, held.shape[0], self.index)):
             return False
+        counted = held_words is not None
+        if counted:
+            if (held is not None or not self.stamp or not isinstance(held_words, torch.Tensor)
+                    or not vector_ok(held_words, held_words.shape[0], self.index) or held_words.shape[0] < 1):
+                return False
+            held = held_words
         if scatter and not (isinstance(truth_ids, torch.Tensor) and truth_ids.dim() == 1
                             and vector_ok(truth_ids, truth_ids.shape[0], self.index)
                             and isinstance(req_pool_indices, torch.Tensor)
@@ -857,10 +902,11 @@ class BoundCheck:
         # the whole lengths buffer: the kernel reads the first bs (check_forward's slice, without a view a call)
         if laid is None:
             self._launch.launch(*batch, truth_t, truth_lens, lut, held, tag, publish, truth_ids, truth_offsets,
-                                truth_starts)
+                                truth_starts, counted)
         else:
-            self._launch.launch_laid(tensors, lut is not None, truth, held, tag, laid, addresses, publish,
-                                     truth_ids.shape[0] if scatter else -1, truth_starts is not None)
+            self._launch.launch_laid(tensors, lut is not None, truth, _held_arg(held, counted), tag, laid,
+                                     addresses, publish, truth_ids.shape[0] if scatter else -1,
+                                     truth_starts is not None)
         return True
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:

@@ -12,6 +12,10 @@
 | marks             | WriteMarks or None   | scratch of the Triton path (allocated when None)      |
 | held              | int64[h] or None     | slots the prefix cache holds that no request reads    |
 
+``check_forward`` also takes the held slots counted (``held_words``, int64[1 + capacity]: the
+count, then the slots; a fixed buffer a captured HEAD reads at every replay): HEAD checks the
+first ``count`` slots (the count clamped to [0, capacity]) as ``held`` and sets the count to 0.
+
 Written token t (request r with ``off[r] <= t < off[r+1]``, padding lanes included) with a
 translated slot s in (0, num_slots) is checked:
 
@@ -105,6 +109,31 @@ def validate_marks(marks, held, num_slots: int, device: torch.device) -> None:
         if marks.num_slots != num_slots or marks.words.device != device:
             raise InputError(f"marks cover {marks.num_slots} slots on {marks.words.device} but the state has "
                              f"{num_slots} on {device}; allocate them with WriteMarks.allocate(num_slots, device)")
+
+
+def validate_held_words(held_words, held, device: torch.device) -> None:
+    """``check_forward``'s ``held_words``: int64[1 + capacity], contiguous, on the state's device,
+    never beside ``held``."""
+    if held_words is None:
+        return
+    if held is not None:
+        raise InputError("held and held_words are two forms of one input; pass one of them, got both")
+    check_tensor("held_words", held_words, torch.int64, 1)
+    check_contiguous("held_words", held_words)  # the kernel reads the count and the slots as one run
+    if held_words.shape[0] < 1:
+        raise InputError("held_words length 0 < 1; it starts with the count word (int64[1 + capacity])")
+    if held_words.device != device:
+        raise InputError(f"held_words is on {held_words.device} but the state is on {device}")
+
+
+def counted_held(held_words: torch.Tensor) -> torch.Tensor:
+    """The slots ``held_words`` holds: int64[capacity], the first ``count`` (word 0, clamped to
+    [0, capacity]) of the words after it, then 0 (no slot, which no check marks). Queued on the
+    device, no sync."""
+    slots = held_words[1:]
+    count = held_words[:1].clamp(0, slots.shape[0])
+    live = torch.arange(slots.shape[0], device=slots.device) < count
+    return torch.where(live, slots, torch.zeros_like(slots))
 
 
 def validate_writes(state, plan, out_cache_loc, input_ids, positions, req_pool_indices, write_offsets, lut, held,
