@@ -92,12 +92,14 @@ def test_held_slots_reach_the_head_that_follows_each_hold_whatever_its_size(busy
         assert [(v.slot, v.point.name) for v in conflicts] == [(target, "HEAD")]
 
 
-def test_a_head_replayed_from_a_graph_holds_no_slots_and_the_next_sweep_finds_its_write():
-    """README, "Held slots in a HEAD replayed from a CUDA graph": an eager HEAD after a hold reports
-    a write into a held slot as READ_CONFLICT (the test above); a captured HEAD holds none, so its
-    replay reports nothing at HEAD, and the write, which overwrote the slot's record, is found by
-    the next sweep over the held runs, at SWEEP, naming the slot. (No model writes the targets'
-    K/V here: each forward's TAIL reports them as missed writes.)"""
+def test_a_head_replayed_from_a_graph_checks_the_slots_held_in_its_own_step():
+    """A captured HEAD reads the held slots counted on the device at each replay (``ops.conflicts``'
+    held words): a write into a slot held in the replay's step is a READ_CONFLICT at HEAD naming the
+    cache (row 0), as at an eager HEAD (the test above). The replay consumes the hold: a second
+    replay in the step reports nothing. A hold pending while the graph is captured stays pending
+    (the capture ran nothing) and, like every hold no HEAD read, is dropped at the step's end, so
+    the next step's replay reports nothing. (No model writes the targets' K/V here: each forward's
+    TAIL reports them as missed writes.)"""
     c, slots, tokens = _filled(6)
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
@@ -109,23 +111,32 @@ def test_a_head_replayed_from_a_graph_holds_no_slots_and_the_next_sweep_finds_it
     c.tail(b)
     assert {v.point.name for v in read_all(c, 1)} <= {"TAIL"}
     torch.cuda.synchronize()
+    c.hold(torch.tensor(slots[1][:4], dtype=torch.int64))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         c.launch_head(b)
         c.tail(b)
+    assert c.held is not None and int(c._held_counted[0]) == 4  # pending: the capture consumed nothing
+
+    def conflicts(step: int) -> list:
+        return [(v.slot, v.point.name, v.expected_value) for v in read_all(c, step)
+                if v.reasons & Reason.READ_CONFLICT]
+
+    assert conflicts(2) == [] and int(c._held_counted[0]) == 0
     target = slots[0][2]
     b.out_cache_loc.copy_(i64([free[2], target]))  # the graph's own buffers, as a replay reads them
     table[1, :2] = torch.tensor([free[2], target], dtype=torch.int32)
+
     c.hold(torch.tensor(slots[0], dtype=torch.int64))
     c.prepare_head(b)
     graph.replay()
-    found = read_all(c, 3)
-    assert {v.point.name for v in found} <= {"TAIL"}  # the eager HEAD would report READ_CONFLICT here
-    assert not any(v.reasons & Reason.READ_CONFLICT for v in found)
-    c.sweep(_runs(slots, tokens, 0))
-    found = read_all(c, 5)
-    assert (target, "SWEEP") in {(v.slot, v.point.name) for v in found}
-    assert not any(v.reasons & Reason.READ_CONFLICT for v in found)
+    assert int(c._held_counted[0]) == 0  # consumed by the replayed HEAD
+    graph.replay()  # a second forward in the step: the hold is read
+    assert conflicts(4) == [(target, "HEAD", 0)]
+    c.hold(torch.tensor(slots[0], dtype=torch.int64))
+    assert conflicts(6) == [] and int(c._held_counted[0]) == 0  # a step without a forward: the hold is dropped
+    graph.replay()
+    assert conflicts(8) == []
 
 
 def _columns(c: Canary, n: int) -> list:
@@ -175,25 +186,28 @@ def test_a_replayed_sweep_loads_and_reports_what_launched_steps_do_at_every_clas
 
 
 def test_a_replayed_sweep_that_holds_its_runs_holds_the_slots_its_graph_widened_and_keeps_them_past_a_reload():
-    """``sweep(runs, hold=True)`` over every entry, from the first: the held slots are the view the
-    replay widened (no copy of their own), every slot in order; a landed copy's check before the
-    next HEAD replays the graph again, so the held slots become a copy first. A write into one of
-    them is then a READ_CONFLICT at HEAD; into a free slot, nothing."""
+    """``sweep(runs, hold=True)`` over every entry, from the first: the held slots are the ones the
+    replay widened, copied with their count into the canary's held words on the device, every slot
+    in order; a landed copy's check before the next HEAD replays the graph again with other
+    entries, and leaves the held words as they were. A write into one of them is then a
+    READ_CONFLICT at HEAD; into a free slot, nothing."""
     c, slots, tokens = _filled(10)
     graphs = c._sweep_graphs
     runs = _runs(slots, tokens, 2)
     every = [s for r in runs for s in r.slots.tolist()]
+    words = c._held_counted
     c.sweep(runs, hold=True)
-    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    assert c.held.data_ptr() == words[1:].data_ptr() and c.held.tolist() == every
+    assert int(words[0]) == len(every)
     c.verify_landed(torch.tensor(slots[1][:6]))  # replays the graph with other entries
-    assert c.held.data_ptr() != graphs.held.data_ptr() and c.held.tolist() == every
-    assert graphs.held[:6].tolist() == slots[1][:6]
+    assert c.held.tolist() == every and int(words[0]) == len(every)
+    assert int(graphs.held[0]) == 6 and graphs.held[1:7].tolist() == slots[1][:6]
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
     assert _write_into(c, free[:2], 3) == []
     c.sweep(runs, hold=True)  # the plan does not hold the runs' window since the landed check: loaded again
-    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    assert c.held.tolist() == every and int(words[0]) == len(every)
     c.sweep(runs, hold=True)  # the window the plan holds: replayed again, held again
-    assert c.held.data_ptr() == graphs.held.data_ptr() and c.held.tolist() == every
+    assert c.held.tolist() == every and int(words[0]) == len(every)
     target = every[len(every) // 2]
     found = _write_into(c, [free[2], target], 4)
     assert [(v.slot, v.point.name) for v in found if v.reasons & Reason.READ_CONFLICT] == [(target, "HEAD")]

@@ -187,7 +187,9 @@ class Canary:
         self.state = DeviceState.allocate(geometry.num_slots, ring_capacity=config.ring_capacity,
                                           max_bs=config.max_bs, max_tokens=config.max_tokens, device=dev)
         self.marks = WriteMarks.allocate(geometry.num_slots, dev)  # HEAD's write-conflict check (Triton)
-        self.held: torch.Tensor | None = None  # idle prefix-cache slots the next HEAD must not see written
+        # idle prefix-cache slots the next HEAD must not see written; with the Triton check a view of the
+        # slots in ``_held_counted``, which that HEAD reads (set: a hold no HEAD has consumed yet)
+        self.held: torch.Tensor | None = None
         self.plan = Plan.allocate(config.plan_capacity, config.max_bs, dev)
         self.sweep_plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.sweep_plan.enable.fill_(1)  # a sweep plan never overflows: its loads cap the count
@@ -227,12 +229,14 @@ class Canary:
         self._landing = torch.zeros(words, dtype=torch.int32, device=dev) if on_cuda else None
         self._staging_read = torch.Event(device=dev) if on_cuda else None  # recorded on the current stream in C++
         self._sweep_graphs: SweepGraphs | None = None  # the plan's load and verify as graphs (``warmup``)
-        self._held_in_plan = False  # ``held`` may be a view of the sweep graphs' words (``_keep_held``)
-        # CUDA: the held slots' pinned words, their device words and the event of their last copy (every
-        # slot at most once: a prefix cache holds each slot in one place)
-        self._held_words = (torch.empty(geometry.num_slots, dtype=torch.int64, pin_memory=True),
-                            torch.empty(geometry.num_slots, dtype=torch.int64, device=dev),
-                            torch.cuda.Event()) if on_cuda else None
+        # the Triton check: the held slots counted (``ops.conflicts``: the count, then the slots; every
+        # slot at most once, as a prefix cache holds each slot in one place), the words every HEAD reads,
+        # eager or replayed from a graph, and zeroes once read; on CUDA written from pinned words in one
+        # copy (with the event of the last one)
+        counted = self.backend is Backend.TRITON
+        self._held_counted = torch.zeros(1 + geometry.num_slots, dtype=torch.int64, device=dev) if counted else None
+        self._held_host = (torch.zeros(1 + geometry.num_slots, dtype=torch.int64, pin_memory=True),
+                           torch.cuda.Event()) if counted and on_cuda else None
         self._meta = StepMeta(0)
         self._last_point_of_step: dict[int, int] = {}
         self._replays = 0  # forwards prepared since the last end_step whose TAIL did not run eagerly
@@ -259,7 +263,6 @@ class Canary:
             self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
         self._side_busy = False  # side work the current stream has not waited for yet
         self._side_captured = False  # ... launched inside a graph capture (joined inside it)
-        self._side_held: torch.Tensor | None = None  # the held slots a side HEAD reads, alive until joined
         self._tail_started = False
         # Triton: HEAD's and TAIL's launches with the canary's own arguments checked once (ops.check.BoundCheck)
         self._bound = self._bind_checks() if self.backend is Backend.TRITON else None
@@ -301,16 +304,17 @@ class Canary:
 
     def _checked(self, b: ForwardBatch, tag: int, launch: str, truth: bool, held=None, publish: bool = False,
                  scatter: bool = False) -> bool:
-        """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``; ``publish``: TAIL
-        publishing the counters; ``scatter``: HEAD scattering ``b``'s token truth first, whole
-        histories or appends); False (nothing launched): call ``check_forward``."""
+        """HEAD or TAIL of ``b`` through the bound ``launch`` (``_bind_checks``; ``held``: the
+        counted held slots, ``_held_now``; ``publish``: TAIL publishing the counters; ``scatter``:
+        HEAD scattering ``b``'s token truth first, whole histories or appends); False (nothing
+        launched): call ``check_forward``."""
         bound = self._bound
         if bound is None:
             return False
         ids, offsets, starts = (b.truth_ids, b.truth_offsets, b.truth_starts) if scatter else (None, None, None)
         return bound[launch](b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids,
                              b.positions, b.out_cache_loc, tag=tag, truth=truth,
-                             lut=b.slot_lut if self.window else None, held=held,
+                             lut=b.slot_lut if self.window else None, held_words=held,
                              publish=publish, truth_ids=ids, truth_offsets=offsets, truth_starts=starts)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
@@ -356,7 +360,7 @@ class Canary:
         if torch.cuda.is_current_stream_capturing() == self._side_captured:
             self._joined.record(self.side)
             torch.cuda.current_stream(self._device_index).wait_event(self._joined)
-        self._side_busy, self._side_held = False, None
+        self._side_busy = False
 
     def _fork(self) -> torch.cuda.Stream:
         """The side stream, ordered after everything launched so far on the current stream."""
@@ -499,6 +503,7 @@ class Canary:
             self.join()  # an eager HEAD after a side one (ALWAYS, or an unjoined capture): stream-ordered again
             self._tail_started = False
             held = self._held_now(capturing)
+            counted = self._held_counted is not None
             self._scatter_for = None
             if not self._checked(b, tag, "head", truth is not None, held, scatter=fold):
                 if fold:
@@ -508,8 +513,10 @@ class Canary:
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
                               truth_lens=self.truth_lens[:bs] if truth is not None else None, sources=self.sources,
                               mode=self.config.real_kv, meta=self.meta, lut=self._lut(b), window=self.window,
-                              marks=self.marks, held=held, backend=self.backend)
-            self.held = None
+                              marks=self.marks, held=None if counted else held, held_words=held if counted else None,
+                              backend=self.backend)
+            if not capturing:  # a capture consumes nothing now: the count stays for its replay or ``end_step``
+                self.held = None
             self.totals.seconds += time.perf_counter() - t0
             return
         truth_lens = self.truth_lens[:bs] if truth is not None else None
@@ -538,15 +545,16 @@ class Canary:
         ``capturing``: whether the current stream is capturing."""
         self.join()  # the last TAIL is done: a reused write target never shows it this step's mark
         self._tail_started = False  # a forward that raised never reached its tail
-        lut, held = self._lut(b), self._held_now(capturing)
+        lut, held = self._lut(b), self._held_now(capturing)  # the counted words (a side stream: Triton)
         with torch.cuda.stream(self._fork()):  # checks every input before it launches anything
             if not self._checked(b, tag, "side_head", truth is not None, held):
                 check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
                               extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
                               positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=True, truth=truth,
                               truth_lens=self.truth_lens[:b.batch_size] if truth is not None else None, lut=lut,
-                              window=self.window, marks=self.marks, held=held, backend=self.backend)
-        self._side_held, self.held = held, None
+                              window=self.window, marks=self.marks, held_words=held, backend=self.backend)
+        if not capturing:
+            self.held = None
         if self.sources and not (self._bound_marks is not None and self._bound_marks(b.out_cache_loc, lut)):
             # inputs checked above; on the current stream, ahead of the forward's writes
             mark_writes(state=self.state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut, meta=self.meta,
@@ -624,14 +632,15 @@ class Canary:
                             mode=self.config.real_kv, state=self.state, record=True, meta=self.meta)
         self.totals.seconds += time.perf_counter() - t0
 
-    def _held_now(self, capturing: bool | None = None) -> torch.Tensor | None:
-        """The held slots for this HEAD; none while a CUDA graph is being captured: a replay would
-        check every later step against the slots held at capture time. ``capturing``: whether the
-        current stream is capturing, when the caller asked already."""
-        if self.held is not None and self.held.is_cuda and (
-                torch.cuda.is_current_stream_capturing() if capturing is None else capturing):
-            return None
-        return self.held
+    def _held_now(self, capturing: bool) -> torch.Tensor | None:
+        """The held slots for this HEAD: with the Triton check the counted words (``_held_counted``)
+        where a hold waits, and always in a capture, so that each replay checks the slots held in
+        its own step (none where the count is 0); elsewhere ``held``. ``capturing``: whether the
+        current stream is capturing."""
+        words = self._held_counted
+        if words is None:
+            return self.held
+        return words if capturing or self.held is not None else None
 
     def _use_truth(self, b: ForwardBatch) -> bool:
         return self.config.truth and b.truth_offsets is not None
@@ -648,10 +657,10 @@ class Canary:
 
     def hold(self, slots: torch.Tensor) -> None:
         """Slots (int64, this pool's numbering) the prefix cache holds that no request reads: the
-        next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0). On
-        CUDA, host slots never wait for queued device work: a plain copy from pageable memory
-        waits for the current stream to drain, so it serves only where that stream is idle (one
-        call); else they go through pinned memory (three)."""
+        next HEAD reports a write into one of them as READ_CONFLICT naming the cache (row 0), a
+        HEAD replayed from a CUDA graph included (the Triton check reads them counted on the
+        device: ``_held_counted``); at most one step's: ``end_step`` drops those no HEAD read. On
+        CUDA, host slots never wait for queued device work: they go through pinned memory."""
         if not self.config.enabled:
             return
         t0 = time.perf_counter()
@@ -660,24 +669,58 @@ class Canary:
 
     def _hold(self, slots: torch.Tensor) -> None:
         dev = self.state.device
+        words = self._held_counted
+        if words is not None:
+            slots = slots.reshape(-1)
+            n = self._check_held_count(slots.shape[0])
+            if slots.device.type == "cpu":
+                self._hold_host(slots.to(torch.int64).numpy())
+                return
+            words[1: 1 + n].copy_(slots)  # on the current stream, from this or another device
+            words[:1].fill_(n)
+            self.held = words[1: 1 + n]
+            return
         if dev.type != "cuda" or slots.is_cuda or torch.cuda.current_stream(dev).query():
             self.held = slots.to(dev, torch.int64).contiguous()
         else:  # pinned by torch's caching host allocator, which keeps the block until the copy has read it
             self.held = slots.reshape(-1).to(torch.int64).pin_memory().to(dev, non_blocking=True)
 
     def _hold_host(self, slots: np.ndarray) -> None:
-        """``hold`` of host slots (an int64 array nobody writes): on CUDA through the canary's own
-        pinned words into its own device words, one copy (the last one has long been read)."""
-        if self._held_words is None or len(slots) > self._held_words[0].shape[0]:
+        """``hold`` of host slots (an int64 array nobody writes): with the Triton check into the
+        counted words, on CUDA through the canary's own pinned words, one copy of the count and the
+        slots (the last one has long been read)."""
+        words = self._held_counted
+        if words is None:
             self._hold(torch.from_numpy(slots))
             return
-        host, dev, event = self._held_words
-        n = len(slots)
-        event.synchronize()
-        host.numpy()[:n] = slots
-        self.held = dev[:n]
-        self.held.copy_(host[:n], non_blocking=True)
-        event.record()
+        n = self._check_held_count(len(slots))
+        if self._held_host is None:  # the CPU (the interpreter): the words themselves
+            host = words.numpy()
+            host[1: 1 + n] = slots
+            host[0] = n
+        else:
+            pinned, event = self._held_host
+            event.synchronize()
+            host = pinned.numpy()
+            host[0] = n
+            host[1: 1 + n] = slots
+            words[: 1 + n].copy_(pinned[: 1 + n], non_blocking=True)
+            event.record()
+        self.held = words[1: 1 + n]
+
+    def _hold_replayed(self, n: int) -> None:
+        """``hold`` of the ``n`` slots the sweep's graphs just loaded: their count and slots, as the
+        replay left them, copied into the counted words on the device (one copy)."""
+        words = self._held_counted
+        words[: 1 + n].copy_(self._sweep_graphs.held[: 1 + n])
+        self.held = words[1: 1 + n]
+
+    def _check_held_count(self, n: int) -> int:
+        capacity = self._held_counted.shape[0] - 1
+        if n > capacity:
+            raise KVCanaryError(f"hold slots length {n} > the pool's num_slots ({capacity}): a prefix cache "
+                                "holds each slot once")
+        return n
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -719,8 +762,7 @@ class Canary:
         if hold:
             every = self._runs.last
             if every is not None and self._sweep_graphs is not None and n and n == every.shape[1] and start % n == 0:
-                self.held = self._sweep_graphs.held[:n]  # every slot, in order: widened by the replay
-                self._held_in_plan = True
+                self._hold_replayed(n)  # every slot, in order: widened by the replay
             else:
                 self._hold_host(every[0] if every is not None else _slots_of_runs(runs))
         self._meta.sweep_runs.append((slot, pos))
@@ -767,11 +809,9 @@ class Canary:
                 self._hold_host(every[0])
             self._meta.sweep_runs.append(blocks)
             return n
-        self._tail_current = False  # ``join`` and ``_keep_held``, called where they have work
+        self._tail_current = False  # ``join``, called where it has work
         if self._side_busy:
             self.join()
-        if self._held_in_plan:
-            self._keep_held()
         graphs, loaded = self._sweep_graphs, self._plan_blocks
         if loaded is not None and same_blocks(loaded, blocks):
             graphs.again()
@@ -779,8 +819,7 @@ class Canary:
             graphs.load_blocks(blocks, n)
             self._plan_window, self._plan_blocks = None, blocks
         if hold:
-            self.held = graphs.held[:n]  # every slot, in order: widened by the replay
-            self._held_in_plan = True
+            self._hold_replayed(n)  # every slot, in order: widened by the replay
         self._meta.sweep_runs.append(blocks)
         return n
 
@@ -799,7 +838,6 @@ class Canary:
             return n  # the compiled verify of the entries themselves: no plan tensors filled
         graphs = self._sweep_graphs
         if graphs is not None:  # staged, then one replay: copy, spread, count, verify
-            self._keep_held()
             graphs.load((slot, pred, pos, tok), n)
             return n
         on_cuda = p.slot.device.type == "cuda"
@@ -831,7 +869,6 @@ class Canary:
         self.join()
         p = self.sweep_plan
         if self._sweep_graphs is not None:  # the last load was a replay too: its words are still staged
-            self._keep_held()
             self._sweep_graphs.again()
         elif self._sweep_verify is not None:  # enable: set once (nothing else writes this plan's)
             self._sweep_verify(self.tag(LaunchPoint.SWEEP))
@@ -839,14 +876,6 @@ class Canary:
             p.enable.fill_(1)
             verify(state=self.state, plan=p, tag=self.tag(LaunchPoint.SWEEP), sources=self.sources,
                    mode=self.config.real_kv, meta=self.meta)
-
-    def _keep_held(self) -> None:
-        """Before a replay of the sweep's graphs: held slots that are a view of their words (``sweep``
-        with ``hold``) and not yet read by a HEAD become a copy of their own."""
-        if self._held_in_plan:
-            if self.held is not None and self.held.data_ptr() == self._sweep_graphs.held.data_ptr():
-                self.held = self.held.clone()
-            self._held_in_plan = False
 
     def _staged(self, cols) -> torch.Tensor:
         """The sweep plan's first five entry columns packed in pinned host words, int32[5n] (``cols``:
@@ -1045,7 +1074,9 @@ class Canary:
             self._missed_eager_head()
         if self._side_busy:
             self.join()  # the counters are copied on the current stream
-        self.held = None  # held slots are one step's (a replayed graph never consumed them)
+        if self.held is not None and self._held_counted is not None:
+            self._held_counted[:1].zero_()  # a hold no eager HEAD read (a replay's HEAD read it, or none ran)
+        self.held = None  # held slots are one step's
         meta, reporter = self._meta, self.reporter
         meta.step = step
         if not self._on_cuda and reporter.read_in_place:  # the CPU: counters read where they are, without numpy

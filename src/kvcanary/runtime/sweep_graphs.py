@@ -8,8 +8,9 @@ classes from 256 entries up to the plan's capacity, a factor of 4 apart) when th
 up. A sweep then writes its entries and their count into the pinned words and replays the
 smallest class that holds them: one call, and one event record, so that the next sweep does not
 rewrite words the copy has not read yet. The graphs also widen the plan's slots into ``held``
-(int64): a sweep that holds every slot of its runs and verifies them all, in order, holds that
-view instead of copying the slots again.
+(int64, their count first: ``ops.conflicts``' counted held slots): a sweep that holds every slot
+of its runs and verifies them all, in order, copies those words into the canary's held words on
+the device (one copy) instead of staging the slots again.
 
 | words (int32)             | what                                                          |
 |---------------------------|---------------------------------------------------------------|
@@ -77,7 +78,8 @@ class SweepGraphs:
             raise ValueError(f"sweep staging of {staging.numel()} and landing of {landing.numel()} words < "
                              f"{staging_words(plan.capacity)} (plan capacity {plan.capacity})")
         self.device, self.read, self.check = device, read, check
-        self.held = torch.zeros(plan.capacity, dtype=torch.int64, device=device)  # the loaded slots, widened
+        # the loaded entries' count, then their slots, widened: ``ops.conflicts``' counted held slots
+        self.held = torch.zeros(1 + plan.capacity, dtype=torch.int64, device=device)
         host = staging.numpy()
         self._rows = [host[: 5 * m].reshape(5, m) for m in self.sizes]
         self._counts = [host[_count_word(m): _count_word(m) + 2].view(np.int64) for m in self.sizes]
@@ -98,7 +100,8 @@ class SweepGraphs:
                         block[:4, :m].copy_(landing[: 4 * m].view(4, m))
                         block[4, :m].copy_(block[0, :m])  # entry = slot
                         plan.count.copy_(landing[c: c + 2].view(torch.int64))
-                        self.held[:m].copy_(block[0, :m])
+                        self.held[:1].copy_(plan.count)
+                        self.held[1: 1 + m].copy_(block[0, :m])
                         verify()
                     finally:
                         g.capture_end()
