@@ -868,12 +868,7 @@ class BoundCheck:
                     or not vector_ok(held_words, held_words.shape[0], self.index) or held_words.shape[0] < 1):
                 return False
             held = held_words
-        if scatter and not (isinstance(truth_ids, torch.Tensor) and truth_ids.dim() == 1
-                            and vector_ok(truth_ids, truth_ids.shape[0], self.index)
-                            and isinstance(req_pool_indices, torch.Tensor)
-                            and vector_ok(truth_offsets, req_pool_indices.shape[0] + 1, self.index)
-                            and (truth_starts is None or vector_ok(truth_starts, req_pool_indices.shape[0],
-                                                                   self.index))):
+        if scatter and not self._scatter_ok(req_pool_indices, truth_ids, truth_offsets, truth_starts):
             return False
         if self.index < 0:  # a host batch: check_forward's value checks
             if not self._layout_ok(batch, lut, truth) or not self._host_ok(batch, truth_t, truth_lens, lut):
@@ -911,6 +906,29 @@ class BoundCheck:
 
     def _layout_ok(self, batch: tuple, lut, truth: bool = False) -> bool:
         return self._sizes(batch, lut, truth) is not None
+
+    def _scatter_ok(self, rpi, truth_ids, truth_offsets, truth_starts) -> bool:
+        """Whether a batch's token truth is laid out as the kernel's scatter reads it."""
+        index = self.index
+        return (isinstance(truth_ids, torch.Tensor) and truth_ids.dim() == 1
+                and vector_ok(truth_ids, truth_ids.shape[0], index) and isinstance(rpi, torch.Tensor)
+                and vector_ok(truth_offsets, rpi.shape[0] + 1, index)
+                and (truth_starts is None or vector_ok(truth_starts, rpi.shape[0], index)))
+
+    def takes(self, batch: tuple, truth: bool = False, truth_ids=None, truth_offsets=None,
+              truth_starts=None) -> tuple | None:
+        """(n, bs, rows, max_ctx) of ``batch`` (rpi, prefix_lens, extend_lens, req_to_token,
+        input_ids, positions, out_cache_loc) where a call would take its layout, with the bound
+        truth table when ``truth`` and scattering its token truth where ``truth_ids`` is given
+        (no lut); None where it would not. Reads attributes only: checks no value, launches
+        nothing (the fixed buffers of ``runtime.eager_graphs`` are loaded from batches it takes)."""
+        if truth and self.truth is None:
+            return None
+        laid = self._sizes(batch, None, truth)
+        if laid is None or (truth_ids is not None and not self._scatter_ok(batch[0], truth_ids, truth_offsets,
+                                                                          truth_starts)):
+            return None
+        return laid[:4]
 
     def _sizes(self, batch: tuple, lut, truth: bool = False) -> tuple | None:
         """(n, bs, rows, max_ctx, rtt.stride(0), len(lut) or 0) of a batch laid out as the kernel
