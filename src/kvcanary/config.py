@@ -56,7 +56,11 @@ class CanaryConfig:
     HEAD and TAIL on the current stream, one launch each, where the side stream costs four more
     host calls a forward (two forks, the marks' own launch, a join) to hide device time that an
     eager step, whose host launches the model's kernels one by one, rarely has to hide. ALWAYS
-    forks eager forwards too (an eager engine whose forwards are device-bound); OFF never."""
+    forks eager forwards too (an eager engine whose forwards are device-bound); OFF never.
+    ``eager_graphs``: on CUDA with the fused kernel, run an eager forward's HEAD and TAIL (on the
+    current stream: not under ALWAYS, nor for a sliding-window pool) as replays of graphs captured
+    once per bucket of batch sizes (``runtime.eager_graphs``): less host work a forward, for a copy
+    of the batch into fixed buffers and more device work where a bucket pads the batch."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL
@@ -74,12 +78,15 @@ class CanaryConfig:
     truth: bool = True
     watchdog_window: int = 0
     incident_summary_steps: int = 100
+    eager_graphs: bool = False
 
     def __post_init__(self):
         if type(self.overlap) is bool:  # the flag this option was before it had three values
             object.__setattr__(self, "overlap", Overlap.ALWAYS if self.overlap else Overlap.OFF)
         if not isinstance(self.overlap, Overlap):
             raise ConfigError(f"CanaryConfig.overlap must be an Overlap (or a bool), got {self.overlap!r}")
+        if type(self.eager_graphs) is not bool:
+            raise ConfigError(f"CanaryConfig.eager_graphs must be True or False, got {self.eager_graphs!r}")
         if not isinstance(self.policy, Policy):
             raise ConfigError(f"CanaryConfig.policy must be a Policy, got {self.policy!r}")
         # whether the canary runs (a policy other than OFF): a plain attribute, not a property, since

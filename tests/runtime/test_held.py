@@ -19,7 +19,10 @@ from kvcanary.runtime.sweep import SweepRun
 from ._helpers import prefilled, read_all
 
 NUM_SLOTS, ROWS, CTX = 300, 4, 64
-PATHS = [True, None, False]
+# the CPU's HEAD paths: the Triton kernel interpreted (where no GPU is: its case there is
+# test_sweep_cuda.py's), the compiled CPU kernel, the ops one by one
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+PATHS = [pytest.param(True, marks=INTERPRETED), None, False]
 PATH_IDS = ["triton", "cpu-kernel", "ops"]
 
 
@@ -93,6 +96,7 @@ def test_a_sweep_that_holds_its_runs_holds_every_slot_for_the_next_head(fused):
     assert _conflicts(read_all(c, 2)) == [(target, "HEAD", 0)]
 
 
+@INTERPRETED
 def test_the_triton_head_reads_the_count_on_the_device_not_the_hosts_view():
     """The Triton HEAD checks what the counted words hold when it runs (as a replayed HEAD does):
     a count written on the device after the hold moves what it checks."""
@@ -107,6 +111,7 @@ def test_the_triton_head_reads_the_count_on_the_device_not_the_hosts_view():
     assert _conflicts(read_all(c, 3)) == [(held[1], "HEAD", 0)]
 
 
+@INTERPRETED
 def test_a_hold_of_more_slots_than_the_pool_has_is_refused_before_anything_is_written():
     c, slots, _, _ = _canary(25, True)
     c.hold(torch.tensor(slots[0][:3], dtype=torch.int64))

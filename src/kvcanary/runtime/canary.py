@@ -55,6 +55,7 @@ from kvcanary.ops.state import DeviceFlag, DeviceState
 from kvcanary.ops.verify import BoundVerify, verify
 from kvcanary.runtime.batch import BatchError, ForwardBatch
 from kvcanary.runtime.cpu_forward import CpuForward
+from kvcanary.runtime.eager_graphs import EagerGraphs
 from kvcanary.runtime.incidents import Incident, IncidentTracker
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.sweep import RunCache, SweepRun, same_blocks, sweep_entries
@@ -273,6 +274,14 @@ class Canary:
         self._bound_marks = None  # ... and the side stream's HEAD: its write marks, on the model's stream
         if self._bound is not None and self.side is not None and self.sources:
             self._bound_marks = BoundMarks(self.state, self.sources, self.meta, config.real_kv)
+        # CUDA: an eager forward's HEAD and TAIL on the current stream as graph replays (``eager_graphs``)
+        self._eager: EagerGraphs | None = None
+        if (config.eager_graphs and on_cuda and self._bound is not None and "head" in self._bound
+                and not self.window):
+            self._eager = EagerGraphs(self._bound["head"], self._bound["tail"],
+                                      tags=(self._tags[LaunchPoint.HEAD], self._tags[LaunchPoint.TAIL]),
+                                      held_words=self._held_counted, publish=self.publishing,
+                                      max_bs=config.max_bs, max_tokens=config.max_tokens, check=self.state.check)
         self.warmup_seconds = 0.0
         if warmup and dev.type == "cuda":
             self.warmup()
@@ -505,6 +514,10 @@ class Canary:
             held = self._held_now(capturing)
             counted = self._held_counted is not None
             self._scatter_for = None
+            if self._eager is not None and not capturing and self._eager.head(b, truth is not None, fold):
+                self.held = None  # the replay read the counted words
+                self.totals.seconds += time.perf_counter() - t0
+                return
             if not self._checked(b, tag, "head", truth is not None, held, scatter=fold):
                 if fold:
                     self._scatter_device(b)
@@ -593,6 +606,11 @@ class Canary:
         if self.publishing and capturing:
             self.reporter.publish()  # each replay hands end_step its counters
             return
+        self._tailed(publish)
+
+    def _tailed(self, publish: bool) -> None:
+        """After an eager TAIL on the current stream: its forward is no replay's; ``publish``: its
+        launch published the counter block."""
         if self._replays:
             self._replays -= 1
         self._tail_current = publish
@@ -620,7 +638,10 @@ class Canary:
             self._tail_started = False
             self.join()
         elif self.fused:
-            self._launch_tail(b, capturing, self.publishing and not capturing)
+            if self._eager is not None and not capturing and self._eager.tail(b):
+                self._tailed(self.publishing)
+            else:
+                self._launch_tail(b, capturing, self.publishing and not capturing)
         else:
             verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
                    meta=self.meta)

@@ -81,6 +81,7 @@ def warm_up(canary: Canary) -> float:
     # own publication: TAIL both ways where the canary publishes
     publishing = sorted({False, canary.publishing})
     side_eager, publishes = canary.side_eager, canary.publishing
+    eager, canary._eager = canary._eager, None  # the launches themselves: a capture cannot compile
     try:
         for canary.side_eager in placements:
             for truth in sorted({False, bool(canary.config.truth)}):
@@ -95,7 +96,7 @@ def warm_up(canary: Canary) -> float:
                     for canary.publishing in publishing:
                         canary.tail(b)
     finally:
-        canary.side_eager, canary.publishing = side_eager, publishes
+        canary.side_eager, canary.publishing, canary._eager = side_eager, publishes, eager
     if canary.config.truth and use_triton(Backend.AUTO, dev):
         flat = torch.zeros(1, dtype=torch.int64, device=dev)
         offsets = torch.tensor([0, 1], dtype=torch.int64, device=dev)
