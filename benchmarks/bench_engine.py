@@ -24,7 +24,8 @@ waits for everything launched before it (a canary's HEAD). Such a mode's on/off 
 the sampling, or ahead of the next forward, what a replayed step now does while the device runs
 its replay, as the engine did before: it builds each sweep's runs at the sweep
 (``CanaryHooks.prefetch_sweeps``), and delivers the tokens of the step before after the sampling
-(``Engine.early_delivery``). Suffixes combine:
+(``Engine.early_delivery``). A mode with ``/graphs`` runs its eager forwards' HEAD and TAIL as
+replays of the canary's bucket graphs (``CanaryConfig.eager_graphs``). Suffixes combine:
 ``partial/whole/readback@16``.
 
 ``--lockstep [STEPS]`` runs each repeat's workload on every engine at once, STEPS steps (default 1)
@@ -106,6 +107,7 @@ class Mode(NamedTuple):
     readback: bool  # ReadbackEngine
     sweep_interval: int
     late: bool = False  # sweep runs built at the sweep, tokens delivered after the sampling
+    graphs: bool = False  # eager forwards' HEAD and TAIL replayed from graphs (CanaryConfig.eager_graphs)
 
 
 def baseline(mode: str, modes) -> str:
@@ -125,30 +127,36 @@ def build(mode: str, device: str, options: dict, model: str = "bench"):
     if MODES[m.kind] is None:
         return engine(mc, ec), None
     built = attach_canary(lambda h: engine(mc, ec, h),
-                          CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval))
+                          CanaryConfig(policy=Policy.LOG, real_kv=MODES[m.kind], sweep_interval=m.sweep_interval,
+                                       eager_graphs=m.graphs))
     built[1].prefetch_sweeps = built[0].early_delivery = not m.late
     return built
 
 
 def parse_mode(mode: str) -> Mode:
-    """``kind[/whole][/readback][/late][@N]`` as a ``Mode``; exits naming a bad one."""
+    """``kind[/whole][/readback][/late][/graphs][@N]`` as a ``Mode``; exits naming a bad one."""
     rest, at, every = mode.partition("@")
     kind, *suffixes = rest.split("/")
     if kind not in MODES:
         sys.exit(f"mode {mode!r}: the kind must be one of {', '.join(MODES)}, got {kind!r}")
-    bad = ([x for x in suffixes if x not in ("whole", "readback", "late")]
+    bad = ([x for x in suffixes if x not in ("whole", "readback", "late", "graphs")]
            or [x for x in set(suffixes) if suffixes.count(x) > 1])
     if bad:
         sys.exit(f"mode {mode!r}: a suffix after / is whole (token truth as whole histories), readback (eager "
-                 f"forwards read their widths back) or late (sweep runs built at the sweep, tokens delivered after "
-                 f"the sampling), each at most once, got {bad[0]!r}")
+                 f"forwards read their widths back), late (sweep runs built at the sweep, tokens delivered after "
+                 f"the sampling) or graphs (eager HEAD and TAIL replayed from graphs), each at most once, got "
+                 f"{bad[0]!r}")
     if "late" in suffixes and MODES[kind] is None:
         sys.exit(f"mode {mode!r}: /late is a canary mode's (the canary-off engine sweeps nothing and delivers "
                  f"in its step), got {kind!r}")
+    if "graphs" in suffixes and MODES[kind] is None:
+        sys.exit(f"mode {mode!r}: /graphs is a canary mode's (the canary-off engine has no HEAD or TAIL), "
+                 f"got {kind!r}")
     if at and not (every.isdigit() and MODES[kind] is not None):
         sys.exit(f"mode {mode!r}: @ takes a sweep interval >= 0 (steps between sweeps, 0: none) of a canary mode, "
                  f"got {every!r}")
-    return Mode(kind, "whole" in suffixes, "readback" in suffixes, int(every) if at else 8, "late" in suffixes)
+    return Mode(kind, "whole" in suffixes, "readback" in suffixes, int(every) if at else 8, "late" in suffixes,
+                "graphs" in suffixes)
 
 
 def run_on(mode: str, engine: Engine, hooks, prompts, max_new: int) -> dict:

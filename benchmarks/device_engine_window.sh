@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU sitting for the reference engine's cost (CUDA): the GPU tests of the engine and the new
 # scheduling, the fault and zoo demo on CUDA, the on/off of the current engine against the
-# engine without each scheduling change (bench_engine.py's /readback and /late suffixes), and the
-# canary's calls inside its launches. Every step writes its output under OUT; a failing step does
+# engine without each scheduling change (bench_engine.py's /readback and /late suffixes) and with
+# the eager forwards' HEAD and TAIL replayed from graphs (/graphs), and the canary's calls inside
+# its launches. Every step writes its output under OUT; a failing step does
 # not stop the next. The last lines printed are the on/off table. Each step has a time limit; with
 # the default deadline (150 s of timed repeats) the whole script stays under 600 s.
 #   benchmarks/device_engine_window.sh OUT [DEADLINE_S]
@@ -20,12 +21,14 @@ step() {  # name, seconds allowed, command...
 }
 step gpu_tests 150 python3 -m pytest -q -m "not slow" -n 8 tests/engine tests/e2e/test_cuda.py \
     tests/bench/test_bench_engine.py tests/runtime/test_sweep_prefetch.py tests/runtime/test_sweep_prefetch_engine.py \
-    tests/runtime/test_sweep_cuda.py tests/faults/test_delivery.py tests/faults/test_replayed_verdicts.py
+    tests/runtime/test_sweep_cuda.py tests/faults/test_delivery.py tests/faults/test_replayed_verdicts.py \
+    tests/runtime/test_eager_graphs.py tests/faults/test_eager_graph_verdicts.py tests/runtime/test_held.py
 step demo 100 python3 -m kvcanary demo --device cuda --json "$out/demo.json"
 step window $((deadline + 70)) python3 benchmarks/bench_engine.py --device cuda --cuda-graph --requests 384 \
     --repeats 30 --deadline-s "$deadline" --lockstep \
-    --modes off/readback,partial,partial/readback,partial/late,partial/readback/late --json "$out/window.json"
+    --modes off/readback,partial,partial/graphs,partial/readback,partial/late,partial/readback/late \
+    --json "$out/window.json"
 step phases 110 python3 benchmarks/engine_phases.py --device cuda --lockstep --runs 3 --inner \
-    --modes off/readback,partial,partial/readback/late
+    --modes off/readback,partial,partial/graphs,partial/readback/late
 tail -n 3 "$out/gpu_tests.txt"
 tail -n 16 "$out/window.txt"

@@ -134,11 +134,19 @@ def test_a_late_mode_builds_its_sweeps_runs_at_the_sweep_and_delivers_after_the_
     assert outputs["partial@4"] == outputs["partial/late@4"] == outputs["none/whole/late"]
 
 
+def test_a_graphs_mode_asks_the_canary_for_eager_graphs(bench):
+    """``/graphs``: ``CanaryConfig.eager_graphs`` (which takes effect on CUDA); the other modes leave it off."""
+    for mode, graphs in (("partial", False), ("partial/graphs", True), ("none/whole/graphs@4", True)):
+        _, hooks = bench.build(mode, "cpu", {}, "micro")
+        assert hooks.canary.config.eager_graphs is graphs and hooks.canary._eager is None
+
+
 @pytest.mark.parametrize("mode, message", [
     ("off@4", "mode 'off@4': @ takes a sweep interval >= 0"),
     ("partial@-1", "mode 'partial@-1': @ takes a sweep interval >= 0"),
     ("partial/all", "a suffix after / is whole (token truth as whole histories), readback"),
     ("off/late", "mode 'off/late': /late is a canary mode's"),
+    ("off/graphs", "mode 'off/graphs': /graphs is a canary mode's"),
     ("none/whole/whole", "each at most once, got 'whole'"),
     ("nonx", "the kind must be one of off, none, partial, all, got 'nonx'"),
 ])
