@@ -126,8 +126,7 @@ def test_a_padded_bucket_leaves_every_byte_as_the_batch_alone(seed, appends, buc
         runs.append(_state(c, 2))
         found = read_all(c, 1)
         reasons = {(v.point.name, Reason(v.reasons)) for v in found}
-        assert ("HEAD", Reason.READ_CONFLICT) in reasons and any(p == "HEAD" and r & Reason.FINGERPRINT | r
-                                                                  for p, r in reasons)
+        assert {("HEAD", Reason.READ_CONFLICT), ("TAIL", Reason.FINGERPRINT), ("TAIL", Reason.MISSED_WRITE)} <= reasons
     for name, want in runs[0].items():
         got = runs[1][name]
         assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), name
@@ -167,6 +166,7 @@ def test_eager_graphs_replay_each_bucket_and_find_what_launches_find(appends):
     for graphs in (False, True):
         c, slots, tokens = prefilled(41, "cuda", NUM_SLOTS, CTX, 20, 256, eager_graphs=graphs)
         assert (c._eager is not None) == graphs
+        before = (c._eager.replays, len(c._eager.graphs)) if graphs else None  # the prefill's bucket
         got = []
         for step, seed in enumerate((41, 42), start=1):
             b = _forward(c, slots, tokens, seed, appends, "cuda")
@@ -177,7 +177,7 @@ def test_eager_graphs_replay_each_bucket_and_find_what_launches_find(appends):
             c.tail(b)  # no model wrote the targets: missed writes at TAIL
             got += [(v.step, v.slot, v.point.name, int(v.reasons)) for v in read_all(c, 2 * step)]
         if graphs:
-            assert c._eager.replays == 2 and len(c._eager.graphs) == 1
+            assert (c._eager.replays - before[0], len(c._eager.graphs) - before[1]) == (2, 1)
         found.append(sorted(got))
         records.append((record_words(c.state.records).cpu(), c.state.source_tags.cpu()))
     assert found[0] == found[1] and found[0]
