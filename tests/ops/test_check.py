@@ -29,6 +29,7 @@ from kvcanary.ops.check import Workspace, check_forward, verify_split
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.ops.plan import Plan
 from kvcanary.ops.state import DeviceState
+from kvcanary.runtime.eager_graphs import EagerBuffers
 
 from . import reference as ref
 from ._compare import assert_same
@@ -252,6 +253,41 @@ def test_counted_held_slots_are_the_slots_they_count_and_head_consumes_them(seed
         assert_same(f"held_words [{backend.value}]", args["held_words"], after)
     if stamp and beyond and count == "exact":  # the slots past the count are written and not reported
         assert not any(r[1] in beyond and r[7] & Reason.READ_CONFLICT and r[6] == 0 for r in rows_want)
+
+
+@settings(max_examples=8)
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), min_size=1, max_size=4),
+       mode=st.sampled_from(MODES), corrupt=st.sampled_from([0.0, 0.2]), stamp=st.booleans(),
+       more=st.tuples(st.integers(1, 4), st.integers(0, 9)))
+def test_a_padded_bucket_checks_as_the_batch_alone(seed, lens, mode, corrupt, stamp, more):
+    """``runtime.eager_graphs``' padding on random worlds: the batch copied into buffers of more
+    requests and tokens (row-0 requests, the first owning the padded tokens, which write slot 0),
+    loaded after a full batch of junk, with junk truth lengths for the padded requests, leaves every
+    byte as the batch alone: records, side words, source words, ring rows, counter and stats."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_world(gen, [p for p, _ in lens], [e for _, e in lens], mode=mode, with_truth=True, corrupt=corrupt,
+                   lut=False, window=0, stamp=stamp, tag=6)
+    bs, n = w["req_pool_indices"].shape[0], w["input_ids"].shape[0]
+    buffers = EagerBuffers(bs + more[0], n + more[1], None, False, "cpu")
+    rows, slots, cap = w["req_to_token"].shape[0], w["canary"].shape[0], buffers.bs
+    cuts = torch.sort(torch.randint(0, buffers.n + 1, (cap - 1,), generator=gen))[0]
+    ends = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([buffers.n])])
+    junk = lambda hi, k: torch.randint(0, hi, (k,), generator=gen)  # noqa: E731
+    buffers.load(junk(rows, cap), junk(8, cap), ends[1:] - ends[:-1], junk(1000, buffers.n), junk(40, buffers.n),
+                 junk(slots, buffers.n))
+    buffers.load(w["req_pool_indices"], w["prefix_lens"], w["extend_lens"], w["input_ids"], w["positions"],
+                 w["out_cache_loc"])
+    padded = w | dict(req_pool_indices=buffers.rpi, prefix_lens=buffers.prefix, extend_lens=buffers.extend,
+                      input_ids=buffers.ids, positions=buffers.pos, out_cache_loc=buffers.loc,
+                      truth_lens=torch.cat([w["truth_lens"], junk(40, cap - bs)]))
+    for backend in (Backend.TRITON, Backend.TORCH):
+        runs = [run_op(check_forward, backend, **x)[0] for x in (w, padded)]
+        ring = [sorted(a["ring"][: min(int(a["ring_counter"][0]), a["ring"].shape[0])].tolist()) for a in runs]
+        assert ring[1] == ring[0], backend
+        for name in ("canary", "source_tags", "ring_counter", "stats"):
+            assert_same(f"{name} [{backend.value}]", runs[1][name], runs[0][name])
+        for i, (got, want) in enumerate(zip(runs[1]["sources"], runs[0]["sources"], strict=True)):
+            assert_same(f"source {i} [{backend.value}]", got.words, want.words)
 
 
 def expected_rows(w: dict) -> tuple[list, int]:
