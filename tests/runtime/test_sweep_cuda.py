@@ -131,10 +131,12 @@ def test_a_head_replayed_from_a_graph_checks_the_slots_held_in_its_own_step():
     c.prepare_head(b)
     graph.replay()
     assert int(c._held_counted[0]) == 0  # consumed by the replayed HEAD
+    c.prepare_head(b)
     graph.replay()  # a second forward in the step: the hold is read
     assert conflicts(4) == [(target, "HEAD", 0)]
     c.hold(torch.tensor(slots[0], dtype=torch.int64))
     assert conflicts(6) == [] and int(c._held_counted[0]) == 0  # a step without a forward: the hold is dropped
+    c.prepare_head(b)
     graph.replay()
     assert conflicts(8) == []
 
