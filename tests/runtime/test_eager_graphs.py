@@ -11,6 +11,8 @@ what the canary without them finds."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from kvcanary.core.record import FINGERPRINT, LaunchPoint, Reason, record_words
 from kvcanary.errors import ConfigError
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary
-from kvcanary.runtime.eager_graphs import EagerBuffers, bucket
+from kvcanary.runtime.eager_graphs import EagerBuffers, EagerGraphs, bucket
 
 from ._helpers import prefilled, read_all
 
@@ -37,22 +39,23 @@ def test_eager_graphs_must_be_a_bool():
 
 
 def _forward(c: Canary, slots: list[list[int]], tokens: list[list[int]], seed: int, appends: bool,
-             device: str = "cpu") -> ForwardBatch:
-    """Rows 1 and 3 extend their histories by 1 and 3 tokens into free slots (row 2 sits out):
-    whole histories as truth, or appends of the new tokens."""
+             device: str = "cpu", rows: tuple = (1, 3), extend: tuple = (1, 3),
+             table: torch.Tensor | None = None) -> ForwardBatch:
+    """``rows`` extend their prefilled histories by ``extend`` tokens into free slots (by default
+    rows 1 and 3 by 1 and 3; row 2 sits out): whole histories as truth, or appends of the new
+    tokens. ``table``: the page table to fill in place (an engine's, the same tensor every step)."""
     gen = torch.Generator().manual_seed(seed)
     free = sorted(set(range(1, NUM_SLOTS)) - set(sum(slots, [])))
     free = [free[i] for i in torch.randperm(len(free), generator=gen).tolist()]
-    table = torch.zeros(ROWS, CTX, dtype=torch.int32)
+    host = torch.zeros(ROWS, CTX, dtype=torch.int32)
     for r, s in enumerate(slots, start=1):
-        table[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
-    rows, extend = [1, 3], [1, 3]
+        host[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
     ids, pos, loc, histories, news = [], [], [], [], []
     for row, k in zip(rows, extend, strict=True):
         p = len(slots[row - 1])
         new = torch.randint(0, 30_000, (k,), generator=gen).tolist()
         targets = [free.pop() for _ in range(k)]
-        table[row, p: p + k] = torch.tensor(targets, dtype=torch.int32)
+        host[row, p: p + k] = torch.tensor(targets, dtype=torch.int32)
         ids += new
         pos += list(range(p, p + k))
         loc += targets
@@ -60,15 +63,14 @@ def _forward(c: Canary, slots: list[list[int]], tokens: list[list[int]], seed: i
         news.append(new)
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     prefix = [len(slots[r - 1]) for r in rows]
-    if appends:
-        flat = sum(news, [])
-        offsets = [0, 1, 4]
-        starts = i64(prefix)
+    parts = news if appends else histories
+    flat, offsets = sum(parts, []), [0, *itertools.accumulate(map(len, parts))]
+    starts = i64(prefix) if appends else None
+    if table is None:
+        table = host.to(device)
     else:
-        flat = sum(histories, [])
-        offsets = [0, len(histories[0]), len(flat)]
-        starts = None
-    return ForwardBatch(i64(rows), i64(prefix), i64(extend), table.to(device), i64(ids), i64(pos), i64(loc),
+        table.copy_(host)
+    return ForwardBatch(i64(list(rows)), i64(prefix), i64(list(extend)), table, i64(ids), i64(pos), i64(loc),
                         truth_ids=i64(flat), truth_offsets=i64(offsets), truth_starts=starts)
 
 
@@ -132,6 +134,49 @@ def test_a_padded_bucket_leaves_every_byte_as_the_batch_alone(seed, appends, buc
         assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), name
 
 
+# (rows, extend, appends) of each step: three buckets, the first taken again at the last step
+STEPS = [((1, 3), (1, 3), False), ((1, 3), (1, 3), True), ((1, 2, 3), (2, 2, 2), False), ((1, 3), (1, 3), False)]
+
+
+def _eager_graphs(c: Canary) -> EagerGraphs:
+    """The canary's eager graphs, as ``Canary`` builds them on CUDA (here: launched, not captured)."""
+    return EagerGraphs(c._bound["head"], c._bound["tail"], tags=(c._tags[LaunchPoint.HEAD], c._tags[LaunchPoint.TAIL]),
+                       held_words=c._held_counted, publish=c.publishing, max_bs=c.config.max_bs,
+                       max_tokens=c.config.max_tokens, check=c.state.check)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")
+def test_eager_graphs_through_the_canary_find_what_its_launches_find():
+    """The canary's own HEAD and TAIL paths with eager graphs (on the CPU each bucket launches its
+    bound checks over its buffers instead of replaying a graph): four eager forwards over three
+    buckets, each with a damaged prefix slot and a held write target, against the same canary
+    without them; the same violations each step, and the same records, side words, ring, truth
+    and held words after."""
+    found, states = [], []
+    for graphs in (False, True):
+        c, slots, tokens = prefilled(51, "cpu", NUM_SLOTS, CTX, 20, 256, fused=True)
+        if graphs:
+            c._eager = _eager_graphs(c)
+        got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32)
+        for step, (rows, extend, appends) in enumerate(STEPS, start=1):
+            b = _forward(c, slots, tokens, 50 + step, appends, rows=rows, extend=extend, table=table)
+            record_words(c.state.records)[slots[2][4 + step], FINGERPRINT] ^= 1 << 9
+            c.hold(torch.tensor([slots[1][3], int(b.out_cache_loc[1])], dtype=torch.int64))
+            c.prepare_head(b, eager=True)
+            c.launch_head(b)
+            c.tail(b)
+            got.append(sorted((v.slot, v.point.name, int(v.reasons), v.expected_value) for v in read_all(c, 2 * step)))
+            assert {"HEAD", "TAIL"} <= {p for _, p, _, _ in got[-1]}
+        if graphs:
+            assert c._eager.replays == len(STEPS) and len(c._eager.graphs) == 3
+        found.append(got)
+        states.append(_state(c, len(STEPS[-1][0])))  # the last batch's lengths (the rest are scratch)
+    assert found[1] == found[0]
+    for name, want in states[0].items():
+        got = states[1][name]
+        assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), name
+
+
 def test_buffers_reloaded_from_a_smaller_batch_pad_what_the_larger_one_left():
     """A bucket's buffers serve every batch of the bucket: a smaller batch after a larger one leaves
     none of the larger one's requests, tokens or truth segments behind."""
@@ -167,9 +212,9 @@ def test_eager_graphs_replay_each_bucket_and_find_what_launches_find(appends):
         c, slots, tokens = prefilled(41, "cuda", NUM_SLOTS, CTX, 20, 256, eager_graphs=graphs)
         assert (c._eager is not None) == graphs
         before = (c._eager.replays, len(c._eager.graphs)) if graphs else None  # the prefill's bucket
-        got = []
+        got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32, device="cuda")
         for step, seed in enumerate((41, 42), start=1):
-            b = _forward(c, slots, tokens, seed, appends, "cuda")
+            b = _forward(c, slots, tokens, seed, appends, "cuda", table=table)
             record_words(c.state.records)[slots[2][4 + step], FINGERPRINT] ^= 1 << 9
             c.hold(torch.tensor([slots[1][3], int(b.out_cache_loc[2])], dtype=torch.int64))
             c.prepare_head(b, eager=True)

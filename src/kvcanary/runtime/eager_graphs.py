@@ -28,7 +28,9 @@ alone would make it (``tests/runtime/test_eager_graphs.py`` compares the bytes):
 The held slots are read counted on the device (``ops.conflicts``), as every replayed HEAD does.
 A bucket's two graphs are captured at its first batch (on a stream of their own; nothing runs
 then), once; a batch no bucket takes (a window pool's, one the bound check refuses, one past the
-graph limit) is launched as before. TAIL checks the batch as HEAD loaded it.
+graph limit) is launched as before. TAIL checks the batch as HEAD loaded it. On the CPU (the
+Triton kernel interpreted, for tests) a bucket captures nothing: its HEAD and TAIL launch the
+bound checks over its buffers, so the tests run the same buckets, padding and pairing there.
 """
 
 from __future__ import annotations
@@ -114,12 +116,26 @@ class EagerBuffers:
 
 
 class _Graphs:
-    """A bucket's buffers and its captured HEAD and TAIL."""
+    """A bucket's buffers and its captured HEAD and TAIL (or ``_Launched``)."""
 
     __slots__ = ("buffers", "head", "tail")
 
-    def __init__(self, buffers: EagerBuffers, head: torch.cuda.CUDAGraph, tail: torch.cuda.CUDAGraph):
+    def __init__(self, buffers: EagerBuffers, head, tail):
         self.buffers, self.head, self.tail = buffers, head, tail
+
+
+class _Launched:
+    """A bucket's HEAD or TAIL where nothing is captured (the CPU, where the tests run the same
+    buckets through the interpreted kernel): ``replay`` launches it over the bucket's buffers."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Callable[[], bool]):
+        self.launch = launch
+
+    def replay(self) -> None:
+        if not self.launch():
+            raise AssertionError("a bucket's bound check refused the buffers it took when the bucket was made")
 
 
 class EagerGraphs:
@@ -127,7 +143,9 @@ class EagerGraphs:
     the canary's bound checks (HEAD on the current stream, marking the sources; TAIL, publishing
     the counter block where ``publish``); ``tags``: (HEAD's, TAIL's); ``held_words``: the counted
     held slots every HEAD reads; ``check``: raises where the buffers the graphs hold moved
-    (``DeviceState.check``), called before every replay."""
+    (``DeviceState.check``), called before every replay. On the CPU (the Triton kernel
+    interpreted, for tests) nothing is captured: each replay launches the bound check over the
+    bucket's buffers (``_Launched``)."""
 
     def __init__(self, head: BoundCheck, tail: BoundCheck, *, tags: tuple[int, int], held_words: torch.Tensor,
                  publish: bool, max_bs: int, max_tokens: int, check: Callable[[], None]):
@@ -195,6 +213,15 @@ class EagerGraphs:
         batch = buffers.batch(rtt)
         scatter = dict(truth_ids=buffers.tids, truth_offsets=buffers.toff, truth_starts=buffers.starts) \
             if n_tids is not None else {}
+        if self.device.type != "cuda":
+            if self.head_check.takes(batch, truth, **scatter) is None:
+                self.graphs[key] = None
+                return None
+            graphs = self.graphs[key] = _Graphs(buffers, _Launched(
+                lambda: self.head_check(*batch, tag=self.tags[0], truth=truth, held_words=self.held_words,
+                                        **scatter)),
+                _Launched(lambda: self.tail_check(*batch, tag=self.tags[1], truth=truth, publish=self.publish)))
+            return graphs
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
             self._pool = torch.cuda.graph_pool_handle()
