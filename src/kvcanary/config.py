@@ -60,7 +60,9 @@ class CanaryConfig:
     ``eager_graphs``: on CUDA with the fused kernel, run an eager forward's HEAD and TAIL (on the
     current stream: not under ALWAYS, nor for a sliding-window pool) as replays of graphs captured
     once per bucket of batch sizes (``runtime.eager_graphs``): less host work a forward, for a copy
-    of the batch into fixed buffers and more device work where a bucket pads the batch."""
+    of the batch into fixed buffers and more device work where a bucket pads the batch. On the
+    CPU with ``fused=True`` (the interpreter, for tests) the same buckets are launched, not
+    replayed; elsewhere it does nothing."""
 
     policy: Policy = Policy.LOG
     real_kv: FingerprintMode = FingerprintMode.PARTIAL

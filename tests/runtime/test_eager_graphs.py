@@ -21,7 +21,7 @@ from kvcanary.core.record import FINGERPRINT, LaunchPoint, Reason, record_words
 from kvcanary.errors import ConfigError
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary
-from kvcanary.runtime.eager_graphs import EagerBuffers, EagerGraphs, bucket
+from kvcanary.runtime.eager_graphs import EagerBuffers, bucket
 
 from ._helpers import prefilled, read_all
 
@@ -138,13 +138,6 @@ def test_a_padded_bucket_leaves_every_byte_as_the_batch_alone(seed, appends, buc
 STEPS = [((1, 3), (1, 3), False), ((1, 3), (1, 3), True), ((1, 2, 3), (2, 2, 2), False), ((1, 3), (1, 3), False)]
 
 
-def _eager_graphs(c: Canary) -> EagerGraphs:
-    """The canary's eager graphs, as ``Canary`` builds them on CUDA (here: launched, not captured)."""
-    return EagerGraphs(c._bound["head"], c._bound["tail"], tags=(c._tags[LaunchPoint.HEAD], c._tags[LaunchPoint.TAIL]),
-                       held_words=c._held_counted, publish=c.publishing, max_bs=c.config.max_bs,
-                       max_tokens=c.config.max_tokens, check=c.state.check)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")
 def test_eager_graphs_through_the_canary_find_what_its_launches_find():
     """The canary's own HEAD and TAIL paths with eager graphs (on the CPU each bucket launches its
@@ -154,9 +147,9 @@ def test_eager_graphs_through_the_canary_find_what_its_launches_find():
     and held words after."""
     found, states = [], []
     for graphs in (False, True):
-        c, slots, tokens = prefilled(51, "cpu", NUM_SLOTS, CTX, 20, 256, fused=True)
-        if graphs:
-            c._eager = _eager_graphs(c)
+        c, slots, tokens = prefilled(51, "cpu", NUM_SLOTS, CTX, 20, 256, fused=True, eager_graphs=graphs)
+        assert (c._eager is not None) is graphs
+        before = (c._eager.replays, len(c._eager.graphs)) if graphs else None  # the prefill's bucket
         got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32)
         for step, (rows, extend, appends) in enumerate(STEPS, start=1):
             b = _forward(c, slots, tokens, 50 + step, appends, rows=rows, extend=extend, table=table)
@@ -168,7 +161,7 @@ def test_eager_graphs_through_the_canary_find_what_its_launches_find():
             got.append(sorted((v.slot, v.point.name, int(v.reasons), v.expected_value) for v in read_all(c, 2 * step)))
             assert {"HEAD", "TAIL"} <= {p for _, p, _, _ in got[-1]}
         if graphs:
-            assert c._eager.replays == len(STEPS) and len(c._eager.graphs) == 3
+            assert (c._eager.replays - before[0], len(c._eager.graphs) - before[1]) == (len(STEPS), 3)
         found.append(got)
         states.append(_state(c, len(STEPS[-1][0])))  # the last batch's lengths (the rest are scratch)
     assert found[1] == found[0]

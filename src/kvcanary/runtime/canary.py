@@ -274,10 +274,10 @@ class Canary:
         self._bound_marks = None  # ... and the side stream's HEAD: its write marks, on the model's stream
         if self._bound is not None and self.side is not None and self.sources:
             self._bound_marks = BoundMarks(self.state, self.sources, self.meta, config.real_kv)
-        # CUDA: an eager forward's HEAD and TAIL on the current stream as graph replays (``eager_graphs``)
+        # an eager forward's HEAD and TAIL on the current stream as graph replays (``eager_graphs``; on the
+        # CPU, the Triton kernel interpreted, as launches over the same buckets)
         self._eager: EagerGraphs | None = None
-        if (config.eager_graphs and on_cuda and self._bound is not None and "head" in self._bound
-                and not self.window):
+        if config.eager_graphs and self._bound is not None and "head" in self._bound and not self.window:
             self._eager = EagerGraphs(self._bound["head"], self._bound["tail"],
                                       tags=(self._tags[LaunchPoint.HEAD], self._tags[LaunchPoint.TAIL]),
                                       held_words=self._held_counted, publish=self.publishing,
