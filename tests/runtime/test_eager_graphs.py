@@ -170,6 +170,35 @@ def test_eager_graphs_through_the_canary_find_what_its_launches_find():
         assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), name
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+def test_a_capture_that_raises_leaves_its_bucket_to_the_launches(monkeypatch, caplog):
+    """A bucket whose capture raises is launched as before, named once in the log and in
+    ``failure``; the forward's violations are those of a canary without eager graphs."""
+    found = []
+    for graphs in (False, True):
+        c, slots, tokens = prefilled(52, "cpu", NUM_SLOTS, CTX, 20, 256, fused=True, eager_graphs=graphs)
+        if graphs:
+            def refuse(key, rtt):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            monkeypatch.setattr(c._eager, "_capture", refuse)
+            before, kept = c._eager.replays, set(c._eager.graphs)  # the prefill's bucket
+        got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32)
+        for step in (1, 2):  # one bucket: its capture raises once
+            b = _forward(c, slots, tokens, 60 + step, False, table=table)
+            c.hold(torch.tensor([int(b.out_cache_loc[1])], dtype=torch.int64))
+            c.prepare_head(b, eager=True)
+            c.launch_head(b)
+            c.tail(b)
+            got.append(sorted((v.slot, v.point.name, int(v.reasons)) for v in read_all(c, 2 * step)))
+        found.append(got)
+        if graphs:
+            assert c._eager.failure == "RuntimeError: operation not permitted when stream is capturing"
+            assert c._eager.replays == before
+            assert [c._eager.graphs[k] for k in set(c._eager.graphs) - kept] == [None]
+    assert found[1] == found[0] and all(("HEAD" in {p for _, p, _ in g}) for g in found[0])
+    assert sum("a capture failed" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_buffers_reloaded_from_a_smaller_batch_pad_what_the_larger_one_left():
     """A bucket's buffers serve every batch of the bucket: a smaller batch after a larger one leaves
     none of the larger one's requests, tokens or truth segments behind."""

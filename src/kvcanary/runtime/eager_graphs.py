@@ -19,7 +19,9 @@ alone would make it (``tests/runtime/test_eager_graphs.py`` compares the bytes):
 |             | the first one     | stamped or reported; the extends still add up to the token    |
 |             | owns the padded   | count, as ``check_forward`` requires (a bucket with padded    |
 |             | tokens, the rest  | tokens has a padded request: its batch size is rounded up     |
-|             | none              | past the batch's where they are equal)                        |
+|             | none              | past the batch's where they are equal); at most a page-table  |
+|             |                   | row of them, the extend a request may have (where rounding    |
+|             |                   | up would pad more, the bucket takes the batch's token count)  |
 | token       | slot 0            | slot 0 is reserved: no mark, no stamp, no fingerprint         |
 | truth       | the first padded  | the kernel checks that the offsets end at the ids' count; the |
 | offsets     | request's segment | padded request's segment is scattered into row 0 (padding)    |
@@ -35,6 +37,7 @@ bound checks over its buffers, so the tests run the same buckets, padding and pa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -44,6 +47,8 @@ from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.capture import collection_paused
 
 MAX_GRAPHS = 128  # buckets captured at most: a page table that moves every step must not leak graphs
+
+log = logging.getLogger("kvcanary")
 
 
 def bucket(k: int, cap: int) -> int:
@@ -156,6 +161,7 @@ class EagerGraphs:
         self.graphs: dict[tuple, _Graphs | None] = {}  # None: a bucket whose capture the bound check refused
         self.loaded: tuple[ForwardBatch, _Graphs] | None = None  # the batch HEAD loaded, for its TAIL
         self.replays = 0
+        self.failure: str | None = None  # the first capture that raised (its buckets launch as before)
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -176,6 +182,8 @@ class EagerGraphs:
         nt = tids.shape[0] if scatter else 0
         n_tids = bucket(nt, 1 << 62) if scatter else None
         bs_cap, n_cap = bucket(bs, self.max_bs), bucket(n, self.max_tokens)
+        if n_cap - n > laid[3]:  # one padded request owns the padded tokens: no more than a page-table row
+            n_cap = n
         if bs_cap == bs and (n_cap > n or (scatter and n_tids > nt)):  # padding needs a padded request to own it
             bs_cap = bucket(bs + 1, self.max_bs)
             if bs_cap == bs:  # none fits: the batch's own sizes
@@ -183,7 +191,7 @@ class EagerGraphs:
         key = (bs_cap, n_cap, truth, n_tids, starts is not None, rtt.data_ptr(), tuple(rtt.shape), rtt.stride(0))
         graphs = self.graphs.get(key, False)
         if graphs is False:
-            graphs = self._capture(key, rtt) if len(self.graphs) < MAX_GRAPHS else None
+            graphs = self._captured(key, rtt) if len(self.graphs) < MAX_GRAPHS else None
         if graphs is None:
             return False
         self.check()
@@ -204,6 +212,19 @@ class EagerGraphs:
         self.check()
         loaded[1].tail.replay()
         return True
+
+    def _captured(self, key: tuple, rtt: torch.Tensor) -> _Graphs | None:
+        """``_capture``, where a capture that raises leaves its bucket to the bound launches (named
+        once in the log and in ``failure``) instead of failing the forward."""
+        try:
+            return self._capture(key, rtt)
+        except RuntimeError as e:
+            self.graphs[key] = None
+            if self.failure is None:
+                self.failure = f"{type(e).__name__}: {e}"
+                log.warning("kv_canary eager graphs: a capture failed, its bucket launches as before: %s",
+                            self.failure)
+            return None
 
     def _capture(self, key: tuple, rtt: torch.Tensor) -> _Graphs | None:
         """The bucket ``key``'s buffers and graphs (nothing runs); None where a bound check refuses
