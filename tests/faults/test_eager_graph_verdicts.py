@@ -1,10 +1,13 @@
 """An eager forward's HEAD and TAIL from the canary's buckets (``CanaryConfig.eager_graphs``) find
 what its bound launches find. The workload runs once with the option and once without, for every
-injector (and on CUDA every zoo bug too): the same violations (step, slot, launch point, reasons)
-in the same order, the same tokens delivered at the same steps, the damage detected, and eager
-forwards taken by the buckets. On CUDA, with graph-captured decode, the buckets replay graphs; on
-the CPU (slow: the Triton kernel interpreted, a smaller workload) they launch their bound checks
-over their buffers."""
+injector (and on CUDA every zoo bug too): the same violations (step, slot, launch point, reasons;
+as a multiset: on a GPU the rows of one launch come in any order), the same tokens delivered at
+the same steps, the damage detected, and eager forwards taken by the buckets. Where the damage
+itself races on a GPU (two programs writing one slot: which record survives is unspecified, and
+so are the re-detections that follow, as two runs without the option show), the verdict is
+compared instead: detected, where and when first, at which injection. On CUDA, with
+graph-captured decode, the buckets replay graphs; on the CPU (slow: the Triton kernel
+interpreted, a smaller workload) they launch their bound checks over their buffers."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reaso
 WHERE = [pytest.param("cuda", marks=CUDA),
          pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.skipif(
              torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")])]
+RACES_ON_A_GPU = {"write_target_duplicate"}
 ON_CUDA = dict(device="cuda", cuda_graph=True, graph_batch_sizes=(1, 2, 4, 8, 16))
 
 
@@ -45,16 +49,25 @@ def _run(setup, make_fault, graphs: bool, where: str):
     violations = [v for r in run.hooks.reports for v in r.violations] + run.final
     replays = sum(c._eager.replays for c in (run.hooks.canary, run.hooks.window_canary)
                   if c is not None and c._eager is not None)
-    return ([(v.step, v.slot, v.point.name, int(v.reasons)) for v in violations],
+    return (sorted((v.step, v.slot, v.point.name, int(v.reasons)) for v in violations),
             sorted(tuple(d) for d in run.engine.delivery.log), replays, judge(fault, fault.injections, violations))
 
 
-def _assert_same(setup, make_fault, where: str = "cuda", injected: bool = True) -> None:
-    """``injected``: the fault must have acted (a smaller workload may give some none to act on)."""
+def _verdict(judged) -> tuple:
+    return (judged.injected, judged.detected, judged.injection_step, judged.slot, judged.first_detection,
+            judged.steps_to_detection)
+
+
+def _assert_same(setup, make_fault, where: str = "cuda", injected: bool = True, racy: bool = False) -> None:
+    """``injected``: the fault must have acted (a smaller workload may give some none to act on);
+    ``racy``: its damage races on a GPU (module doc)."""
     found, delivered, replays, judged = _run(setup, make_fault, True, where)
-    want_found, want_delivered, none, _ = _run(setup, make_fault, False, where)
+    want_found, want_delivered, none, want_judged = _run(setup, make_fault, False, where)
     assert judged.detected if judged.injected else not injected, judged
-    assert found == want_found and (found or not judged.injected)
+    if racy:
+        assert _verdict(judged) == _verdict(want_judged)
+    else:
+        assert found == want_found and (found or not judged.injected)
     assert delivered and delivered == want_delivered
     assert replays > 0 and none == 0
 
@@ -65,7 +78,8 @@ def test_a_fault_is_found_alike_with_eager_graphs(name, where):
     make = lambda: FAULTS[name](probability=0.5 if name == "cached_slot_flip" else 0.3, seed=3,  # noqa: E731
                                 warmup_steps=8, max_injections=3)
     requests = 32 if where == "cuda" else 8  # interpreted: a smaller workload
-    _assert_same(small_setup(requests, real_kv=FingerprintMode.PARTIAL), make, where, injected=where == "cuda")
+    _assert_same(small_setup(requests, real_kv=FingerprintMode.PARTIAL), make, where, injected=where == "cuda",
+                 racy=where == "cuda" and name in RACES_ON_A_GPU)
 
 
 ZOO_CANARY = CanaryConfig(real_kv=FingerprintMode.PARTIAL, sweep_interval=4)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvcanary.core.record import Reason
-from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.sweep import SweepRun
@@ -111,12 +110,15 @@ def test_the_triton_head_reads_the_count_on_the_device_not_the_hosts_view():
     assert _conflicts(read_all(c, 3)) == [(held[1], "HEAD", 0)]
 
 
-@INTERPRETED
-def test_a_hold_of_more_slots_than_the_pool_has_is_refused_before_anything_is_written():
-    c, slots, _, _ = _canary(25, True)
-    c.hold(torch.tensor(slots[0][:3], dtype=torch.int64))
-    before = c._held_counted.clone()
-    with pytest.raises(KVCanaryError, match=rf"hold slots length {NUM_SLOTS + 1} > the pool's num_slots "
-                                            rf"\({NUM_SLOTS}\)"):
-        c.hold(torch.ones(NUM_SLOTS + 1, dtype=torch.int64))
-    assert torch.equal(c._held_counted, before) and c.held.tolist() == slots[0][:3]
+@pytest.mark.parametrize("fused", PATHS, ids=PATH_IDS)
+def test_a_hold_of_more_slots_than_the_pool_has_holds_each_slot_once(fused):
+    """A cache that holds a slot in two places (a bug the canary is there to find) hands more slots
+    than the pool has: every distinct slot is still held, and a write into one is reported."""
+    c, slots, _, free = _canary(25, fused)
+    target = slots[0][4]
+    twice = torch.tensor((slots[0] + slots[1]) * (NUM_SLOTS // len(slots[0] + slots[1]) + 1), dtype=torch.int64)
+    assert twice.shape[0] > NUM_SLOTS
+    c.hold(twice)
+    assert sorted(set(c.held.tolist())) == sorted(set(slots[0] + slots[1]))
+    _head(c, [free[0], target], 8)
+    assert _conflicts(read_all(c, 1)) == [(target, "HEAD", 0)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -693,10 +693,13 @@ class Canary:
         words = self._held_counted
         if words is not None:
             slots = slots.reshape(-1)
-            n = self._check_held_count(slots.shape[0])
             if slots.device.type == "cpu":
                 self._hold_host(slots.to(torch.int64).numpy())
                 return
+            if slots.shape[0] >= words.shape[0]:  # more than the words hold: each slot of the pool once (a sync)
+                slots = slots.to(dev, torch.int64)
+                slots = torch.unique(slots[(slots > 0) & (slots < self.geometry.num_slots)])
+            n = slots.shape[0]
             words[1: 1 + n].copy_(slots)  # on the current stream, from this or another device
             words[:1].fill_(n)
             self.held = words[1: 1 + n]
@@ -714,7 +717,10 @@ class Canary:
         if words is None:
             self._hold(torch.from_numpy(slots))
             return
-        n = self._check_held_count(len(slots))
+        if len(slots) >= words.shape[0]:  # more than the words hold (a cache holding a slot twice): each once
+            slots = np.asarray(slots, dtype=np.int64)
+            slots = np.unique(slots[(slots > 0) & (slots < self.geometry.num_slots)])
+        n = len(slots)
         if self._held_host is None:  # the CPU (the interpreter): the words themselves
             host = words.numpy()
             host[1: 1 + n] = slots
@@ -729,19 +735,16 @@ class Canary:
             event.record()
         self.held = words[1: 1 + n]
 
-    def _hold_replayed(self, n: int) -> None:
+    def _hold_replayed(self, n: int, every: Callable[[], np.ndarray]) -> None:
         """``hold`` of the ``n`` slots the sweep's graphs just loaded: their count and slots, as the
-        replay left them, copied into the counted words on the device (one copy)."""
+        replay left them, copied into the counted words on the device (one copy); where they are
+        more than the words hold (a cache holding a slot twice), ``every()``'s, each once."""
         words = self._held_counted
+        if n >= words.shape[0]:
+            self._hold_host(every())
+            return
         words[: 1 + n].copy_(self._sweep_graphs.held[: 1 + n])
         self.held = words[1: 1 + n]
-
-    def _check_held_count(self, n: int) -> int:
-        capacity = self._held_counted.shape[0] - 1
-        if n > capacity:
-            raise KVCanaryError(f"hold slots length {n} > the pool's num_slots ({capacity}): a prefix cache "
-                                "holds each slot once")
-        return n
 
     def sweep_due(self, step: int) -> bool:
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
@@ -783,7 +786,7 @@ class Canary:
         if hold:
             every = self._runs.last
             if every is not None and self._sweep_graphs is not None and n and n == every.shape[1] and start % n == 0:
-                self._hold_replayed(n)  # every slot, in order: widened by the replay
+                self._hold_replayed(n, lambda: every[0])  # every slot, in order: widened by the replay
             else:
                 self._hold_host(every[0] if every is not None else _slots_of_runs(runs))
         self._meta.sweep_runs.append((slot, pos))
@@ -840,7 +843,7 @@ class Canary:
             graphs.load_blocks(blocks, n)
             self._plan_window, self._plan_blocks = None, blocks
         if hold:
-            self._hold_replayed(n)  # every slot, in order: widened by the replay
+            self._hold_replayed(n, lambda: cache.concatenated(blocks)[0])  # every slot, in order: widened by the replay
         self._meta.sweep_runs.append(blocks)
         return n
 
