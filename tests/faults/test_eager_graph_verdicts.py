@@ -4,7 +4,8 @@ injector (and on CUDA every zoo bug too): the same violations (step, slot, launc
 as a multiset: on a GPU the rows of one launch come in any order), the same tokens delivered at
 the same steps, the damage detected, and eager forwards taken by the buckets. Where the damage
 itself races on a GPU (two programs writing one slot: which record survives is unspecified, and
-so are the re-detections that follow, as two runs without the option show), the verdict is
+so are the re-detections that follow; two runs without the option differ there too, with the
+same count of violations, deliveries and verdict), the verdict is
 compared instead: detected, where and when first, at which injection. On CUDA, with
 graph-captured decode, the buckets replay graphs; on the CPU (slow: the Triton kernel
 interpreted, a smaller workload) they launch their bound checks over their buffers."""
@@ -32,7 +33,8 @@ CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reaso
 WHERE = [pytest.param("cuda", marks=CUDA),
          pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.skipif(
              torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")])]
-RACES_ON_A_GPU = {"write_target_duplicate"}
+# where two runs without the option already differ on the H100 (the same count, deliveries and verdict)
+RACES_ON_A_GPU = {"write_target_duplicate", Bug.STALE_RADIX_NODE, Bug.ABORT_INFLIGHT_WRITE, Bug.CHUNK_POSITIONS_RESTART}
 ON_CUDA = dict(device="cuda", cuda_graph=True, graph_batch_sizes=(1, 2, 4, 8, 16))
 
 
@@ -90,4 +92,4 @@ ZOO_CANARY = CanaryConfig(real_kv=FingerprintMode.PARTIAL, sweep_interval=4)
 @pytest.mark.parametrize("bug", list(Bug), ids=lambda b: b.value)
 def test_a_zoo_bug_is_found_alike_with_eager_graphs(bug):
     case = {c.bug: c for c in zoo_cases(ModelConfig(), ZOO_CANARY, WorkloadConfig(num_requests=32))}[bug]
-    _assert_same(case.setup, lambda: ZooTracker(bug))
+    _assert_same(case.setup, lambda: ZooTracker(bug), racy=bug in RACES_ON_A_GPU)
