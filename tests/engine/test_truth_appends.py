@@ -12,7 +12,7 @@ from kvcanary.config import CanaryConfig, Policy
 from kvcanary.engine import Engine, ModelConfig
 from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.cuda_graph import CapturedStep, DecodeGraphs
-from kvcanary.engine.forward_batch import build_forward_batch, one_buffer
+from kvcanary.engine.forward_batch import appended_buffer, build_forward_batch, one_buffer
 from kvcanary.engine.request import Request
 from kvcanary.ops.fingerprint import FingerprintMode
 from kvcanary.runtime.batch import BatchError, ForwardBatch
@@ -172,6 +172,39 @@ def test_one_buffer_holds_each_list_16_byte_aligned(lens):
     for xs, (a, b) in zip(lists, bounds, strict=True):
         assert host[a:b].tolist() == xs and host[a:b].data_ptr() % 16 == 0
     assert all(b1 <= a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:], strict=False))  # parts apart
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_appends_are_built_in_one_buffer_as_one_buffer_lays_out_each_history(seed):
+    """``appended_buffer``, the one pass a device batch's appends take, against each request's
+    history from what its row holds on (all of it where the row claims more than the history),
+    laid out by ``one_buffer``: every word and bound equal, every ``truth_len`` at its history's
+    end, for random histories, rows and padding."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(hi: int) -> int:
+        return int(torch.randint(0, hi + 1, (), generator=gen))
+
+    plan, want = [], []
+    n = 1 + draw(6)
+    for rid in range(n + 5):
+        prompt = torch.randint(1, 2**31, (1 + draw(40),), generator=gen).tolist()
+        outputs = torch.randint(1, 2**31, (draw(12),), generator=gen).tolist()
+        history = prompt + outputs
+        # random, then each edge: a new row, inside the prompt, all of the history (nothing to append), one
+        # past it (a row given again: taken as new), inside the outputs
+        edges = [0, draw(len(prompt) - 1), len(history), len(history) + 1, len(prompt) + draw(len(outputs))]
+        truth_len = draw(len(history) + 3) if rid < n else edges[rid - n]
+        start = truth_len if truth_len <= len(history) else 0
+        plan.append((_request(rid, rid + 1, prompt, outputs, truth_len), 1))
+        want.append((start, history[start:]))
+    pad = draw(3)
+    ids = [t for _, part in want for t in part]
+    ends = [sum(len(part) for _, part in want[: i + 1]) for i in range(len(want))]
+    flat, bounds = appended_buffer(plan, pad)
+    host, want_bounds = one_buffer([0, *ends, *[len(ids)] * pad], [s for s, _ in want] + [0] * pad, ids)
+    assert bounds == want_bounds and flat == host.tolist()
+    assert [req.truth_len for req, _ in plan] == [req.num_tokens for req, _ in plan]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU there is no copy to save")
