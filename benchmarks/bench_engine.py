@@ -191,14 +191,16 @@ def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
     Returns ``run_on``'s dict by mode, the seconds being the sum of that engine's step times, with
     the steps split by kind: ``replayed_s``/``replayed`` (decode replayed from a graph; on CUDA
     also ``graph_device_s``, the replays' own device time, between CUDA events around each) and
-    ``eager_s``/``eager``, and the canary's own time in each kind (``replayed_canary_s``,
-    ``eager_canary_s``)."""
+    ``eager_s``/``eager``, the canary's own time in each kind (``replayed_canary_s``,
+    ``eager_canary_s``), and the part of each kind's time spent waiting for the device after the
+    step returned (``replayed_wait_s``, ``eager_wait_s``: the work it left in flight)."""
     modes = list(engines)
     cuda = next(iter(engines.values()))[0].config.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     start, ids = {}, {}
     acc = {m: {"seconds": 0.0, "replayed_s": 0.0, "replayed": 0, "eager_s": 0.0, "eager": 0, "graph_device_s": 0.0,
-               "replayed_canary_s": 0.0, "eager_canary_s": 0.0} for m in modes}
+               "replayed_canary_s": 0.0, "eager_canary_s": 0.0, "replayed_wait_s": 0.0, "eager_wait_s": 0.0}
+           for m in modes}
     marks: list = []  # the current step's (start, end) events around its graph replay
     replays: dict = {}  # mode -> the replay its graphs had as an attribute of their own, if any
     for m, (engine, hooks) in engines.items():
@@ -226,11 +228,13 @@ def run_lockstep(engines: dict, prompts, max_new: int, turn: int = 1) -> dict:
                 sync()
                 t0 = time.perf_counter()
                 engine.step()
+                t1 = time.perf_counter()
                 sync()
                 dt = time.perf_counter() - t0
                 a["seconds"] += dt
                 kind = "replayed" if engine.replaying else "eager"
                 a[kind + "_s"] += dt
+                a[kind + "_wait_s"] += dt - (t1 - t0)
                 a[kind] += 1
                 a[kind + "_canary_s"] += totals.seconds - c0 if totals is not None else 0.0
                 for e0, e1 in marks:
@@ -317,8 +321,9 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
     """Print, per mode and step kind, the median over repeats of the mean µs a step, its
     difference from the canary-off engine's (the median of the repeats' differences), the canary's
     own µs a step in it, what of the difference its own time does not explain (the median of the
-    repeats' differences less their canary time), and (replayed steps) the graph replays' device
-    µs and its difference; each mode against its ``baseline``."""
+    repeats' differences less their canary time), the µs a step waited for the device after it
+    returned (what it left in flight) and that wait's difference, and (replayed steps) the graph
+    replays' device µs and its difference; each mode against its ``baseline``."""
     med = statistics.median
 
     def per(r, key, kind):
@@ -326,7 +331,7 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
 
     w = mode_width(modes)
     print(f"{'mode':{w}} {'kind':9} {'steps':>6} {'µs a step':>10} {'- off':>8} {'canary µs':>10} {'not canary':>10} "
-          f"{'device µs':>10} {'- off':>8}")
+          f"{'wait µs':>8} {'- off':>8} {'device µs':>10} {'- off':>8}")
     for m in modes:
         rs = [r for r in runs if r["mode"] == m]
         off = {r["repeat"]: r for r in runs if r["mode"] == baseline(m, modes)}
@@ -336,13 +341,15 @@ def by_kind(runs: list[dict], modes: list[str]) -> None:
             canary = med(per(r, kind + "_canary_s", kind) for r in rs)
             rest = med(per(r, kind + "_s", kind) - per(off[r["repeat"]], kind + "_s", kind)
                        - per(r, kind + "_canary_s", kind) for r in rs)
+            wait = med(per(r, kind + "_wait_s", kind) for r in rs)
+            more_wait = med(per(r, kind + "_wait_s", kind) - per(off[r["repeat"]], kind + "_wait_s", kind) for r in rs)
             device = more_device = float("nan")
             if kind == "replayed":
                 device = med(per(r, "graph_device_s", kind) for r in rs)
                 more_device = med(per(r, "graph_device_s", kind) - per(off[r["repeat"]], "graph_device_s", kind)
                                   for r in rs)
             print(f"{m:{w}} {kind:9} {rs[0][kind]:6d} {step:10.1f} {more:8.1f} {canary:10.1f} {rest:10.1f} "
-                  f"{device:10.1f} {more_device:8.1f}")
+                  f"{wait:8.1f} {more_wait:8.1f} {device:10.1f} {more_device:8.1f}")
 
 
 def main(argv=None) -> None:

@@ -159,8 +159,9 @@ def test_a_bad_mode_is_named(mode, message):
 @pytest.mark.parametrize("modes", [("off", "none"), ("off", "off/readback", "none/readback")])
 def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, capsys, modes):
     """The "not canary" column: the median over repeats of (µs a step - the off engine's - the
-    canary's own µs a step), per step kind; the other columns as before. A /readback mode's off
-    engine is off/readback where that runs."""
+    canary's own µs a step), per step kind; the wait for the device after the step, and its
+    difference from the off engine's; the other columns as before. A /readback mode's off engine
+    is off/readback where that runs."""
     rng = random.Random(5)
     runs = []
     for k in range(5):
@@ -172,15 +173,20 @@ def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, cap
                          "replayed_s": n_replayed * rng.uniform(1e-3, 2e-3),
                          "eager_canary_s": n_eager * rng.uniform(1e-4, 3e-4) if canary else 0.0,
                          "replayed_canary_s": n_replayed * rng.uniform(2e-5, 6e-5) if canary else 0.0,
-                         "graph_device_s": n_replayed * rng.uniform(5e-4, 6e-4)})
+                         "graph_device_s": n_replayed * rng.uniform(5e-4, 6e-4),
+                         "eager_wait_s": n_eager * rng.uniform(1e-6, 5e-5),
+                         "replayed_wait_s": n_replayed * rng.uniform(1e-4, 5e-4)})
     bench.by_kind(runs, list(modes))
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in capsys.readouterr().out.splitlines()[1:]}
     off = {r["repeat"]: r for r in runs if r["mode"] == modes[-2]}
     on = modes[-1]
     for kind in ("eager", "replayed"):
         per = [(1e6 * r[kind + "_s"] / r[kind], 1e6 * off[r["repeat"]][kind + "_s"] / off[r["repeat"]][kind],
-                1e6 * r[kind + "_canary_s"] / r[kind]) for r in runs if r["mode"] == on]
-        steps, step, more, canary, rest = (float(x) for x in rows[on, kind][:5])
+                1e6 * r[kind + "_canary_s"] / r[kind], 1e6 * r[kind + "_wait_s"] / r[kind],
+                1e6 * off[r["repeat"]][kind + "_wait_s"] / off[r["repeat"]][kind]) for r in runs if r["mode"] == on]
+        steps, step, more, canary, rest, wait, more_wait = (float(x) for x in rows[on, kind][:7])
+        assert wait == pytest.approx(statistics.median(p[3] for p in per), abs=0.05)
+        assert more_wait == pytest.approx(statistics.median(p[3] - p[4] for p in per), abs=0.05)
         assert step == pytest.approx(statistics.median(p[0] for p in per), abs=0.05)
         assert more == pytest.approx(statistics.median(p[0] - p[1] for p in per), abs=0.05)
         assert canary == pytest.approx(statistics.median(p[2] for p in per), abs=0.05)
