@@ -5,6 +5,7 @@ would have written; a row given to a new request starts again from its whole his
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,8 +204,38 @@ def test_appends_are_built_in_one_buffer_as_one_buffer_lays_out_each_history(see
     ends = [sum(len(part) for _, part in want[: i + 1]) for i in range(len(want))]
     flat, bounds = appended_buffer(plan, pad)
     host, want_bounds = one_buffer([0, *ends, *[len(ids)] * pad], [s for s, _ in want] + [0] * pad, ids)
-    assert bounds == want_bounds and flat == host.tolist()
+    assert bounds == want_bounds and flat.dtype == np.int64 and flat.tolist() == host.tolist()
     assert [req.truth_len for req, _ in plan] == [req.num_tokens for req, _ in plan]
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "token-a-request"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batchs_input_ids_are_each_requests_tokens_from_its_cached_end(seed, prefill):
+    """Each request's history and drafts sliced from ``num_cached``: a batch of more tokens than
+    requests (a prefill's) takes them from the prompts' arrays where they are prompt tokens
+    (``Request.prompt_array``), chunks inside the prompt, across its end, in the outputs and
+    drafts; a batch of one token a request from the one part of the history that token is in."""
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    table = torch.zeros(12, 128, dtype=torch.int32)
+    plan, want = [], []
+    for rid in range(draw(1, 8)):
+        prompt = torch.randint(1, 2**31, (draw(1 if rid else 2, 40),), generator=gen).tolist()
+        req = Request(rid, prompt, 8, output_ids=torch.randint(1, 2**31, (draw(0, 6),), generator=gen).tolist(),
+                      row=rid + 1)
+        req.draft_ids = torch.randint(1, 2**31, (draw(0, 2),), generator=gen).tolist()
+        history = req.token_ids + req.draft_ids
+        # a prefill's first: a whole prompt of two tokens or more (more tokens than requests)
+        req.num_cached = draw(0, len(history) - 1) if rid or not prefill else 0
+        n = (draw(1, len(history) - req.num_cached) if rid else len(prompt)) if prefill else 1
+        plan.append((req, n))
+        want += history[req.num_cached: req.num_cached + n]
+    batch = build_forward_batch(plan, table, appends=True, truth=False)
+    assert (len(want) > len(plan)) == prefill
+    assert batch.input_ids.dtype == torch.int64 and batch.input_ids.tolist() == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU there is no copy to save")

@@ -40,15 +40,16 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
     starts = torch.cumsum(extend_lens, 0) - extend_lens
     num_tokens = int(extend_lens.sum())
     positions = torch.repeat_interleave(prefix_lens - starts, extend_lens) + torch.arange(num_tokens)
-    input_list = list(
-        itertools.chain.from_iterable(
-            (req.token_ids + req.draft_ids)[req.num_cached : req.num_cached + n] for req, n in plan
-        )
-    ) + pad
     input_ids = None
+    if num_tokens > len(plan) + num_padding:  # a prefill's ids: slices of the prompts' arrays
+        input_list = None
+        input_ids = torch.from_numpy(_input_array(plan, num_padding))
+    else:  # a token a request: a list is quicker than a slice and a join
+        input_list = list(itertools.chain.from_iterable(_tokens(req, req.num_cached, n) for req, n in plan)) + pad
     if not truth:
         truth_ids = truth_offsets = truth_starts = None
-    elif appends and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached for req, n in plan):
+    elif appends and input_list is not None and all(n == 1 and not req.draft_ids and req.truth_len == req.num_cached
+                                                    for req, n in plan):
         # one token a request: the offsets are 0..bs, one device tensor per size kept (nothing writes
         # a batch's tensors), and the starts are the prefix lengths (the same device tensor); the ids
         # are the input ids' values (each request's token at its prefix end, padding 0), and go to
@@ -77,7 +78,7 @@ def build_forward_batch(plan: Schedule, req_to_token: torch.Tensor, num_padding:
         prefix_lens=prefix_on_device,
         extend_lens=extend_lens.to(device),
         req_to_token=req_to_token,
-        input_ids=_as_tensor(input_list).to(device) if input_ids is None else input_ids,
+        input_ids=(_as_tensor(input_list) if input_ids is None else input_ids).to(device),
         positions=positions.to(device),
         out_cache_loc=out_cache_loc,
         truth_ids=None if truth_ids is None else truth_ids.to(device),
@@ -127,45 +128,79 @@ def counting(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _tokens(req, at: int, n: int) -> list[int]:
+    """``(req.token_ids + req.draft_ids)[at : at + n]`` without building the whole history where
+    the slice lies in one of its parts (a decode's token: its last output)."""
+    num, outputs = len(req.prompt_ids), req.output_ids
+    end = num + len(outputs)
+    if num <= at and at + n <= end:
+        return outputs[at - num: at - num + n]
+    if at + n <= num:
+        return req.prompt_ids[at: at + n]
+    if at >= end:
+        return req.draft_ids[at - end: at - end + n]
+    return (req.prompt_ids + outputs + req.draft_ids)[at: at + n]
+
+
+def _input_array(plan: Schedule, num_padding: int) -> np.ndarray:
+    """The input ids of ``plan`` and ``num_padding`` padding requests (token 0 each) as one int64
+    array: each request's slice of its prompt's array where its tokens are prompt tokens, else of
+    its history and drafts."""
+    parts = []
+    for req, n in plan:
+        at = req.num_cached
+        if at + n <= len(req.prompt_ids):
+            parts.append(req.prompt_array[at: at + n])
+        else:
+            parts.append(np.array(_tokens(req, at, n), dtype=np.int64))
+    if num_padding:
+        parts.append(np.zeros(num_padding, dtype=np.int64))
+    return np.concatenate(parts)
+
+
 def _appended(plan: Schedule, num_padding: int, device: torch.device) -> list[torch.Tensor]:
     """(offsets, starts, ids) of appends for ``plan``: each request's history from what its row
     holds on (all of it for a row new to it), padding requests appending nothing; every request's
     ``truth_len`` moves to its history's end. On a device the three go in one copy
     (``appended_buffer``)."""
-    flat, bounds = appended_buffer(plan, num_padding)
-    if device.type == "cpu":
-        return [_as_tensor(flat[a:b]) for a, b in bounds]
-    t = _as_tensor(flat).to(device)
+    buffer, bounds = appended_buffer(plan, num_padding)
+    t = torch.from_numpy(buffer)
+    if device.type != "cpu":
+        t = t.to(device)
     return [t[a:b] for a, b in bounds]
 
 
-def appended_buffer(plan: Schedule, num_padding: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """``one_buffer(offsets, starts, ids)``'s layout of ``plan``'s appends (``_appended``) as a
-    list, and each part's [start, end), built in one pass over the histories: a prefill's truth is
-    hundreds of tokens, and each list built and joined again costs tens of µs between a model's
-    launches. Moves every request's ``truth_len`` to its history's end."""
+def appended_buffer(plan: Schedule, num_padding: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """``one_buffer(offsets, starts, ids)``'s layout of ``plan``'s appends (``_appended``) as one
+    int64 array, and each part's [start, end): the ids are slices of the prompts' arrays and the
+    outputs, joined once (a prefill's truth is hundreds of tokens: a list of them built and
+    converted costs tens of µs between a model's launches). Moves every request's ``truth_len``
+    to its history's end."""
     bs = len(plan) + num_padding
     head = bs + 1 + (bs + 1) % 2  # the offsets, then the starts 16-byte aligned, then the ids
     ids = head + bs + bs % 2
-    flat = [0] * ids
+    words = [0] * ids
+    parts = [None]
     at = 0
     for i, (req, _) in enumerate(plan):
         start, num = req.truth_len, len(req.prompt_ids)
         end = num + len(req.output_ids)
         if start > end:  # a row that holds more than the history: taken as new
             start = 0
-        flat[head + i] = start
+        words[head + i] = start
         if start < num:
-            flat += req.prompt_ids[start:] if start else req.prompt_ids
-            flat += req.output_ids
-        else:
-            flat += req.output_ids[start - num:]
+            parts.append(req.prompt_array[start:] if start else req.prompt_array)
+            if req.output_ids:
+                parts.append(np.array(req.output_ids, dtype=np.int64))
+        elif start < end:
+            parts.append(np.array(req.output_ids[start - num:], dtype=np.int64))
         req.truth_len = end
         at += end - start
-        flat[i + 1] = at
+        words[i + 1] = at
     for i in range(len(plan) + 1, bs + 1):
-        flat[i] = at
-    return flat, [(0, bs + 1), (head, head + bs), (ids, len(flat))]
+        words[i] = at
+    parts[0] = np.array(words, dtype=np.int64)
+    return np.concatenate(parts), [(0, bs + 1), (head, head + bs), (ids, ids + at)]
 
 
 def _restart_chunk_positions(plan: Schedule, positions: torch.Tensor, out_cache_loc: torch.Tensor,

@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ class Request:
     prefix_node: RadixNode | None = None
     draft_ids: list[int] = field(default_factory=list)
     truth_len: int = 0  # positions of its history its row holds in the canary's truth table (appends)
+    # ``prompt_ids`` as a read-only int64 array, made once: a prefill's ids are slices of it, not lists
+    # converted again at every step
+    prompt_array: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.prompt_array = np.array(self.prompt_ids, dtype=np.int64)
+        self.prompt_array.flags.writeable = False
 
     @property
     def token_ids(self) -> list[int]:
