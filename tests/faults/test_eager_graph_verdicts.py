@@ -5,8 +5,9 @@ as a multiset: on a GPU the rows of one launch come in any order), the same toke
 the same steps, the damage detected, and eager forwards taken by the buckets. Where the damage
 itself races on a GPU (two programs writing one slot: which record survives is unspecified, and
 so are the re-detections that follow; two runs without the option differ there too, with the
-same count of violations, deliveries and verdict), the verdict is
-compared instead: detected, where and when first, at which injection. On CUDA, with
+same count of violations, the same verdict, and tokens delivered at the same steps, whose values
+may differ where they were sampled from a raced slot), the verdict is compared instead: detected,
+where and when first, at which injection; and the deliveries by step, request and index. On CUDA, with
 graph-captured decode, the buckets replay graphs; on the CPU (slow: the Triton kernel
 interpreted, a smaller workload) they launch their bound checks over their buffers."""
 
@@ -33,8 +34,10 @@ CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reaso
 WHERE = [pytest.param("cuda", marks=CUDA),
          pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.skipif(
              torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")])]
-# where two runs without the option already differ on the H100 (the same count, deliveries and verdict)
-RACES_ON_A_GPU = {"write_target_duplicate", Bug.STALE_RADIX_NODE, Bug.ABORT_INFLIGHT_WRITE, Bug.CHUNK_POSITIONS_RESTART}
+# where two runs without the option already differ on the H100 (the same count, verdict and delivery steps;
+# prefix_page_off_by_one: the same violations, and a token sampled after two writes into one slot differs)
+RACES_ON_A_GPU = {"write_target_duplicate", Bug.STALE_RADIX_NODE, Bug.ABORT_INFLIGHT_WRITE, Bug.CHUNK_POSITIONS_RESTART,
+                  Bug.PREFIX_PAGE_OFF_BY_ONE}
 ON_CUDA = dict(device="cuda", cuda_graph=True, graph_batch_sizes=(1, 2, 4, 8, 16))
 
 
@@ -66,8 +69,9 @@ def _assert_same(setup, make_fault, where: str = "cuda", injected: bool = True, 
     found, delivered, replays, judged = _run(setup, make_fault, True, where)
     want_found, want_delivered, none, want_judged = _run(setup, make_fault, False, where)
     assert judged.detected if judged.injected else not injected, judged
-    if racy:
+    if racy:  # what a read of a raced slot samples races too: the same tokens delivered when, not their values
         assert _verdict(judged) == _verdict(want_judged)
+        delivered, want_delivered = [d[:3] for d in delivered], [d[:3] for d in want_delivered]
     else:
         assert found == want_found and (found or not judged.injected)
     assert delivered and delivered == want_delivered
