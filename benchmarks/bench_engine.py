@@ -384,7 +384,7 @@ def main(argv=None) -> None:
         sys.exit(f"--cuda-graph needs --device cuda, got --device {args.device}")
     options = engine_options(args.cuda_graph)
     torch.set_num_threads(1)
-    modes = ["off", *args.modes.split(",")]
+    modes = list(dict.fromkeys(["off", *args.modes.split(",")]))  # off first, each mode once (off named or not)
     for m in modes:
         parse_mode(m)
     engines = {}

@@ -272,3 +272,17 @@ def test_a_readback_modes_on_off_is_against_off_readback(tmp_path):
         assert s["against"] == want[s["mode"]]
         ratios = [tps[s["mode"], k] / tps[s["against"], k] for k in range(2)]
         assert s["ratio"] == pytest.approx(statistics.median(ratios))
+
+
+def test_off_named_among_the_modes_runs_and_reports_once(tmp_path):
+    """``--modes off,partial`` (off named, as it always runs): one off engine, one off line in the
+    summary and one off run a repeat, as with ``--modes partial``."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "micro", "--requests", "4",
+                           "--max-new-tokens", "4", "--repeats", "2", "--lockstep", "--modes", "off,partial",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert [s["mode"] for s in data["summary"]] == ["off", "partial"]
+    assert sorted((r["mode"], r["repeat"]) for r in data["runs"]) == [("off", 0), ("off", 1), ("partial", 0),
+                                                                       ("partial", 1)]
