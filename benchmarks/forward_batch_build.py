@@ -2,7 +2,8 @@
 canary) and off, at decode and prefill shapes with short and long histories.
 
     PYTHONPATH=src python3 benchmarks/forward_batch_build.py [--shapes decode:16x100,prefill:12x100]
-                                                             [--repeats 5] [--number 200] [--json PATH]
+                                                             [--device cpu|cuda] [--repeats 5] [--number 200]
+                                                             [--json PATH]
 
 A shape is ``decode:BSxCTX`` (BS requests, each writing its one next token after a history of CTX
 tokens: 10 outputs after a prompt of CTX - 10) or ``prefill:BSxLEN`` (BS requests prefilling
@@ -49,10 +50,10 @@ def requests(kind: str, bs: int, n: int, rng: random.Random) -> list[tuple[Reque
     return plan
 
 
-def time_shape(spec: str, repeats: int, number: int) -> dict:
+def time_shape(spec: str, repeats: int, number: int, device: str = "cpu") -> dict:
     kind, bs, n = parse(spec)
     plan = requests(kind, bs, n, random.Random(bs * 7919 + n))
-    table = torch.zeros(bs + 1, n + 64, dtype=torch.int32)
+    table = torch.zeros(bs + 1, n + 64, dtype=torch.int32, device=device)
     starts = [req.num_cached if kind == "decode" else 0 for req, _ in plan]
 
     def build(truth: bool) -> None:
@@ -73,9 +74,10 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=DEFAULT)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--number", type=int, default=200)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows = [time_shape(s, args.repeats, args.number) for s in args.shapes.split(",")]
+    rows = [time_shape(s, args.repeats, args.number, args.device) for s in args.shapes.split(",")]
     print("| shape | off µs | on µs | truth µs |\n|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['shape']} | {r['off µs']:.1f} | {r['on µs']:.1f} | {r['truth µs']:.1f} |")
