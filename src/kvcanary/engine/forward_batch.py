@@ -189,7 +189,7 @@ def appended_buffer(plan: Schedule, num_padding: int) -> tuple[np.ndarray, list[
             start = 0
         words[head + i] = start
         if start < num:
-            parts.append(req.prompt_array[start:] if start else req.prompt_array)
+            parts.append(req.prompt_array[start:])
             if req.output_ids:
                 parts.append(np.array(req.output_ids, dtype=np.int64))
         elif start < end:
