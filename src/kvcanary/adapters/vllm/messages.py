@@ -1,0 +1,81 @@
+"""What the adapter's two halves send each other through vLLM, and the counters it exports.
+
+The scheduler's half runs in the engine-core process, the workers' halves in the worker
+processes (one process for all three in single-process mode); vLLM pickles these between them.
+
+| message          | from -> to          | carries                                                          |
+|------------------|---------------------|------------------------------------------------------------------|
+| ``StepMessage``  | scheduler -> worker | per scheduled request: its canary row, where its truth starts and |
+|                  | (connector metadata)| the token ids from there; blocks handed out fresh; sweep runs     |
+| ``WorkerReport`` | worker -> scheduler | blocks found damaged (to leave the prefix cache), requests that   |
+|                  | (worker metadata)   | read them                                                         |
+| ``CanaryStats``  | worker -> frontend  | counters for vLLM's Prometheus metrics (``kvcanary_*``)           |
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class StepMessage(KVConnectorMetadata):
+    step: int
+    # request id -> (canary row, position its truth tokens start at, the token ids from there on)
+    requests: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+    fresh_blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
+    sweep: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (blocks, their tokens) from position 0
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    damaged: dict[int, set[int]] = field(default_factory=dict)  # KV cache group -> damaged block ids
+    readers: set[str] = field(default_factory=set)  # requests whose forward read or wrote the damage
+
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
+        damaged = {g: set(b) for g, b in self.damaged.items()}
+        for g, blocks in other.damaged.items():
+            damaged.setdefault(g, set()).update(blocks)
+        return WorkerReport(damaged, self.readers | other.readers)
+
+    def is_empty(self) -> bool:
+        return not self.damaged and not self.readers
+
+
+# counter names in CanaryStats.data; violations are keyed "violations|<reasons>|<launch point>"
+COUNTERS = ("forwards", "sweeps", "incidents", "quarantined_blocks", "recovered_requests")
+
+
+@dataclass
+class CanaryStats(KVConnectorStats):
+    """Counter increments since the last read, summed over workers and intervals."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> CanaryStats:
+        total = Counter(self.data)
+        total.update(other.data)
+        return CanaryStats(data=dict(total))
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    @staticmethod
+    def violation_key(reasons: str, point: str) -> str:
+        return f"violations|{reasons}|{point}"
+
+    def violations(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], Any] = {}
+        for key, n in self.data.items():
+            if key.startswith("violations|"):
+                _, reasons, point = key.split("|")
+                out[(reasons, point)] = n
+        return out

@@ -1,0 +1,366 @@
+"""The worker half of the adapter: one Canary per KV cache group, HEAD and TAIL around vLLM's forward.
+
+Per forward (``around_forward``, called by the model runner's ``_model_forward`` while the
+adapter is installed):
+
+1. the blocks the scheduler handed out fresh this step are told to each canary as freed (their
+   old incidents close; a reused block is never flagged for having been reused);
+2. a due sweep verifies idle prefix-cache blocks the scheduler named (within the byte budget);
+3. each group's ``ForwardBatch`` is built from what attention will really use: the model's input
+   ids and positions, the group's attention metadata (block table, slot mapping, query and
+   sequence lengths) and the scheduler's token ids as truth;
+4. HEAD on entering ``canary.forward``, the model, TAIL on leaving, then ``end_step``.
+
+The page table is the group's block table expanded to slots (``slot = block * block_size +
+offset``) in a table of the adapter's own rows (a request keeps its row while it runs, whatever
+its index in vLLM's persistent batch). Only blocks whose id changed since the row's last forward
+are expanded again, so the host work a step grows with the blocks a step adds or changes, and
+truth is sent as appends (a request's history once, then its new tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary import Canary, ForwardBatch, PoolGeometry, PoolKind, Reason, SweepRun
+from kvcanary.adapters.vllm.layouts import (
+    Geometry,
+    Layout,
+    covers_all_heads,
+    fingerprintable,
+    num_blocks_of,
+    sources_for,
+)
+from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
+from kvcanary.adapters.vllm.settings import AdapterSettings
+from kvcanary.ops import offsets_from_lengths
+
+log = logging.getLogger("kvcanary")
+
+
+@dataclass
+class GroupSpec:
+    """What the adapter needs of one vLLM KV cache group."""
+
+    index: int
+    layer_names: list[str]
+    block_size: int
+    num_heads: int
+    head_dim: int
+    window: int = 0  # sliding window in tokens (0: full attention)
+
+
+@dataclass
+class StepView:
+    """What a fault hook may read or change at a launch point (tests inject faults through it)."""
+
+    step: int
+    runner: object
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: dict
+    kv_caches: dict[str, torch.Tensor]
+
+
+class GroupCanary:
+    """One KV cache group: its canary, its slot table and its block mirror."""
+
+    def __init__(self, spec: GroupSpec, kv_caches: dict[str, torch.Tensor], layout: Layout, num_blocks: int,
+                 settings: AdapterSettings, rows: int, max_ctx: int):
+        self.spec = spec
+        self.layout = layout
+        self.layer_names = spec.layer_names
+        bs = spec.block_size
+        self.max_blocks = -(-max_ctx // bs)
+        self.max_ctx = self.max_blocks * bs
+        geometry = Geometry(num_blocks, bs, spec.num_heads, spec.head_dim)
+        kv = [kv_caches[name] for name in spec.layer_names]
+        n = len(kv)
+        layers = tuple(dict.fromkeys(i % n for i in settings.layers))
+        cpu_halves = ()
+        if layout is Layout.CPU:
+            from kvcanary.adapters.vllm.cpu_probe import token_major_halves
+
+            cpu_halves = token_major_halves(kv[0].dtype, bs, spec.num_heads, spec.head_dim)
+        mode, halves = settings.coverage(fingerprintable(layout, cpu_halves))
+        config = settings.canary_config(mode, halves, layers)
+        sources = sources_for(kv, layout, geometry, layers, halves) if mode else []
+        self.coverage = (mode, halves if mode else ())
+        self.all_heads = covers_all_heads(layout, spec.num_heads)
+        device = kv[0].device
+        self.num_slots = num_blocks * bs
+        window = max(spec.window - 1, 0)
+        self.canary = Canary(config, PoolGeometry(self.num_slots, rows, self.max_ctx, str(device)), sources=sources,
+                             pool=PoolKind.SWA if window else PoolKind.FULL, window=window)
+        self.req_to_token = torch.zeros(rows, self.max_ctx, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+        self.lut = torch.arange(self.num_slots, dtype=torch.int64, device=device) if window else None
+        self.offsets = torch.arange(bs, dtype=torch.int32, device=device)
+
+    def slots_at(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        """The slots the row's block mirror gives ``positions``."""
+        bs = self.spec.block_size
+        blocks = self.blocks[row, positions // bs]
+        slots = blocks * bs + (positions % bs).to(torch.int32)
+        return torch.where(blocks == 0, torch.zeros_like(slots), slots) if self.spec.window else slots
+
+    def slots_of_blocks(self, blocks) -> torch.Tensor:
+        b = torch.as_tensor(blocks, dtype=torch.int64, device=self.offsets.device)
+        return (b[:, None] * self.spec.block_size + self.offsets[None, :]).reshape(-1)
+
+    def sync_rows(self, rows: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Expand the batch's block-table entries that changed since the rows' last forward.
+
+        Entries past a request's blocks are left as they are (never read). A sliding-window group's
+        null block (id 0: out of the window) maps to slot 0, which is never verified."""
+        bs = self.spec.block_size
+        num_blocks = (seq_lens + bs - 1) // bs
+        width = min(int(num_blocks.max()), self.max_blocks, block_table.shape[1])
+        if width <= 0:
+            return
+        cur = block_table[:, :width].to(torch.int32)
+        old = self.blocks[rows, :width]
+        live = torch.arange(width, device=cur.device)[None, :] < num_blocks[:, None]
+        changed = (cur != old) & live
+        if not bool(changed.any()):
+            return
+        i, j = changed.nonzero(as_tuple=True)
+        ids = cur[i, j]
+        self.blocks[rows[i], j] = ids
+        slots = ids[:, None] * bs + self.offsets[None, :]
+        if self.spec.window:
+            slots = torch.where(ids[:, None] == 0, torch.zeros_like(slots), slots)
+        cols = j[:, None] * bs + self.offsets[None, :].long()
+        self.req_to_token[rows[i][:, None], cols] = slots
+
+
+class WorkerSide:
+    """The adapter in one worker process (one per tensor-parallel rank)."""
+
+    def __init__(self, settings: AdapterSettings, groups: list[GroupSpec], layout: Layout | None,
+                 max_model_len: int, max_num_seqs: int):
+        self.settings = settings
+        self.specs = groups
+        self.layout = layout
+        self.max_model_len = max_model_len
+        self.rows = max_num_seqs + 1  # row 0 is the padding row
+        self.groups: list[GroupCanary] = []
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.message: StepMessage | None = None
+        self.step = 0
+        self.pending = WorkerReport()
+        self.invalid_blocks: set[int] = set()
+        self.violations = []  # every violation this worker reported, in order
+        self.counts: Counter = Counter()  # CanaryStats increments since the last read
+        self.hooks: list = []  # fn(point: str, view: StepView), point "head" (before HEAD) or "tail" (before TAIL)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = dict(kv_caches)
+        self.groups = []
+        for spec in self.specs:
+            shape = tuple(kv_caches[spec.layer_names[0]].shape)
+            layout = self.layout
+            if layout is None:  # a GPU: the layout from the tensor's shape
+                from kvcanary.adapters.vllm.checks import detect_layout
+
+                guess = Geometry(shape[1] if shape[0] == 2 else shape[0], spec.block_size, spec.num_heads,
+                                 spec.head_dim)
+                layout = detect_layout(shape, guess)
+            self.groups.append(GroupCanary(spec, kv_caches, layout, num_blocks_of(shape, layout), self.settings,
+                                           self.rows, self.max_model_len))
+        for g in self.groups:
+            mode, halves = g.coverage
+            heads = "every KV head" if g.all_heads else "the first KV head"
+            covered = "+".join(h.name for h in halves)
+            fp = (f"fingerprints real_kv={mode.name.lower()} of {covered} ({heads}) of layers {g.canary.config.layers}"
+                  if mode else "no fingerprints (this layout stores no half by token)")
+            log.warning("kv-canary: protecting vLLM KV cache group %d (%s, block_size %d, %s): records of every slot, "
+                        "%s; policy=%s", g.spec.index, f"window {g.spec.window}" if g.spec.window else "full attention",
+                        g.spec.block_size, g.layout.value, fp, self.settings.policy.value)
+
+    def bind(self, message: StepMessage) -> None:
+        self.message = message
+
+    def clear(self) -> None:
+        self.message = None
+
+    # --- the forward ----------------------------------------------------------------------------
+
+    def around_forward(self, runner, forward, kwargs: dict):
+        """Run ``forward(**kwargs)`` (the model) between HEAD and TAIL of every group."""
+        msg = self.message
+        if msg is None or not self.groups:
+            return forward(**kwargs)
+        from vllm.forward_context import get_forward_context
+
+        with torch.inference_mode(False):  # the canary's tensors outlive the step: no inference tensors
+            return self._checked_forward(runner, forward, kwargs, msg, get_forward_context().attn_metadata)
+
+    def _checked_forward(self, runner, forward, kwargs: dict, msg: StepMessage, attn: dict):
+        self.step = msg.step
+        num_reqs = runner.input_batch.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        view = StepView(msg.step, runner, req_ids, kwargs["input_ids"], kwargs["positions"], attn, self.kv_caches)
+        self._before_head(msg)
+        for hook in self.hooks:
+            hook("head", view)
+        waves = [self._waves(g, view, msg) for g in self.groups]
+        for g, batches in zip(self.groups, waves, strict=True):
+            for b in batches:
+                g.canary.head(b)
+        with torch.inference_mode():
+            out = forward(**kwargs)
+        for hook in self.hooks:
+            hook("tail", view)
+        for g, batches in zip(self.groups, waves, strict=True):
+            for b in batches:
+                g.canary.tail(b)
+        self._after(msg, waves)
+        return out
+
+    def _before_head(self, msg: StepMessage) -> None:
+        for g in self.groups:
+            fresh = msg.fresh_blocks[g.spec.index] if g.spec.index < len(msg.fresh_blocks) else ()
+            if fresh:
+                g.canary.slots_freed(g.slots_of_blocks(fresh))
+        if msg.sweep and self.settings.sweep_interval:
+            for g in self.groups:
+                if g.spec.window:
+                    continue  # sweeps cover the full-attention groups (their runs start at position 0)
+                runs = [SweepRun(g.slots_of_blocks(blocks), tuple(tokens), 0) for blocks, tokens in msg.sweep]
+                g.canary.sweep(runs)
+                self.counts["sweeps"] += 1
+
+    def _waves(self, g: GroupCanary, view: StepView, msg: StepMessage) -> list[ForwardBatch]:
+        """The forward as the canary sees it: one batch, or, where a request new this step hits
+        prefix-cache blocks another request of this forward writes (vLLM caches a block when it hands
+        it out for writing), one batch per wave: a wave's HEAD reads only slots that earlier waves'
+        HEADs stamped, and its TAIL runs after theirs recorded the fingerprints."""
+        md = view.attn_metadata[g.layer_names[0]]
+        n = len(view.req_ids)
+        qsl = md.query_start_loc[: n + 1].to(torch.int64)
+        seq = md.seq_lens[:n].to(torch.int64)
+        extend = qsl[1:] - qsl[:-1]
+        rows = torch.tensor([msg.requests[rid][0] for rid in view.req_ids], dtype=torch.int64)
+        g.sync_rows(rows, md.block_table[:n], seq)
+        parts = _Parts(rows, seq - extend, extend, qsl, md.slot_mapping[: int(qsl[-1])].to(torch.int64))
+        # only a request's first forward (truth from 0) can hit blocks written in the same forward
+        waiting = [r for r in range(n) if msg.requests[view.req_ids[r]][1] == 0 and int(parts.prefix[r]) > 0]
+        waiting = [r for r in waiting if self._reads_writes_of(g, parts, r, range(n))]
+        if not waiting:
+            return [self._batch(g, view, msg, parts, None)]
+        waves = [[r for r in range(n) if r not in waiting]]
+        while waiting:
+            wave = [r for r in waiting if not self._reads_writes_of(g, parts, r, waiting)]
+            wave = wave or list(waiting)  # they read each other's writes: one wave, whose HEAD reports it
+            waves.append(wave)
+            waiting = [r for r in waiting if r not in wave]
+        return [self._batch(g, view, msg, parts, idx) for idx in waves if idx]
+
+    @staticmethod
+    def _reads_writes_of(g: GroupCanary, parts: _Parts, reader: int, writers) -> bool:
+        """Whether request ``reader`` reads a slot one of ``writers`` (not itself) writes this forward."""
+        written = [parts.slots[int(parts.qsl[w]): int(parts.qsl[w + 1])] for w in writers if w != reader]
+        if not written:
+            return False
+        prefix = g.req_to_token[int(parts.rows[reader]), : int(parts.prefix[reader])].to(torch.int64)
+        return bool(torch.isin(prefix, torch.cat(written)).any())
+
+    def _batch(self, g: GroupCanary, view: StepView, msg: StepMessage, parts: _Parts,
+               idx: list[int] | None) -> ForwardBatch:
+        """The ForwardBatch of the requests ``idx`` (None: every request, in vLLM's batch order)."""
+        num_tokens = int(parts.qsl[-1])
+        input_ids = view.input_ids[:num_tokens].to(torch.int64)
+        positions = view.positions[:num_tokens].to(torch.int64)
+        rows, prefix, extend, slots, req_ids = parts.rows, parts.prefix, parts.extend, parts.slots, view.req_ids
+        if idx is not None:
+            take = torch.cat([torch.arange(int(parts.qsl[r]), int(parts.qsl[r + 1])) for r in idx])
+            input_ids, positions, slots = input_ids[take], positions[take], slots[take]
+            sel = torch.tensor(idx, dtype=torch.int64)
+            rows, prefix, extend = rows[sel], prefix[sel], extend[sel]
+            req_ids = [req_ids[r] for r in idx]
+        starts, truth, lengths = [], [], []
+        for rid in req_ids:
+            _, start, tokens = msg.requests[rid]
+            starts.append(start)
+            truth.extend(tokens)
+            lengths.append(len(tokens))
+        return ForwardBatch(
+            req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, req_to_token=g.req_to_token,
+            input_ids=input_ids, positions=positions, out_cache_loc=slots,
+            truth_ids=torch.tensor(truth, dtype=torch.int64),
+            truth_offsets=offsets_from_lengths(torch.tensor(lengths, dtype=torch.int64)),
+            truth_starts=torch.tensor(starts, dtype=torch.int64), request_ids=tuple(req_ids), slot_lut=g.lut)
+
+    # --- after the forward ----------------------------------------------------------------------
+
+    def _after(self, msg: StepMessage, waves: list[list[ForwardBatch]]) -> None:
+        """Read each group's report; name the damaged blocks and the requests that read them."""
+        self.counts["forwards"] += 1
+        for g, batches in zip(self.groups, waves, strict=True):
+            rep = g.canary.end_step(msg.step)
+            if not rep.violations:
+                continue
+            self.violations.extend(rep.violations)
+            self.counts["incidents"] += len(rep.incidents)
+            for v in rep.violations:
+                reasons = "+".join(Reason.names(v.reasons)).lower()
+                self.counts[CanaryStats.violation_key(reasons, v.tag.point.name)] += 1
+            bs = g.spec.block_size
+            damaged = {v.slot // bs for v in rep.violations if 0 < v.slot < g.num_slots} - {0}
+            if not damaged:
+                continue
+            self.pending.damaged.setdefault(g.spec.index, set()).update(damaged)
+            readers = {r for v in rep.violations for r, _ in v.owners if isinstance(r, str) and r != "cache"}
+            self.pending.readers |= readers
+            if rep.recovery is not None:
+                for b in batches:
+                    self.invalid_blocks |= self._rewind_blocks(g, b, damaged)
+                self.counts["recovered_requests"] += len(readers)
+
+    def _rewind_blocks(self, g: GroupCanary, b: ForwardBatch, damaged: set[int]) -> set[int]:
+        """The blocks to hand vLLM as bad: the damaged ones, and for a request whose damaged block
+        lies past the tokens it had computed before this step (a write of this step), the block of
+        its last computed token, so that vLLM rewinds it and drops this step's token."""
+        bs = g.spec.block_size
+        out = set(damaged)
+        for r in range(b.batch_size):
+            row, c = int(b.req_pool_indices[r]), int(b.prefix_lens[r])
+            n = c + int(b.extend_lens[r])
+            blocks = g.blocks[row, : -(-n // bs)].tolist()
+            mine = [j for j, blk in enumerate(blocks) if blk in damaged]
+            if mine and c > 0 and min(mine) >= -(-c // bs):
+                out.add(blocks[(c - 1) // bs])
+        out.discard(0)
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        out, self.invalid_blocks = self.invalid_blocks, set()
+        return out
+
+    def take_report(self) -> WorkerReport | None:
+        report, self.pending = self.pending, WorkerReport()
+        return None if report.is_empty() else report
+
+    def take_stats(self) -> CanaryStats | None:
+        """Counter increments since the last call (vLLM ships them to its Prometheus metrics)."""
+        if not self.counts:
+            return None
+        stats, self.counts = CanaryStats(data=dict(self.counts)), Counter()
+        return stats
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A forward's per-request tensors, in vLLM's batch order."""
+
+    rows: torch.Tensor
+    prefix: torch.Tensor
+    extend: torch.Tensor
+    qsl: torch.Tensor
+    slots: torch.Tensor
