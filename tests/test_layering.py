@@ -26,7 +26,7 @@ ALLOWED = {
     "runtime": BASE | {"ops", "config", "runtime"},
     "distributed": BASE | {"ops", "config", "runtime", "distributed"},
     "engine": BASE | {"ops", "config", "runtime", "distributed", "engine"},
-    "adapters": BASE | {"ops", "config", "runtime", "adapters"},
+    "adapters": BASE | {"ops", "config", "runtime", "adapters", "__init__"},  # __init__: the public API
     "faults": BASE | {"ops", "config", "runtime", "engine", "faults"},
     "runs": BASE | {"ops", "config", "runtime", "distributed", "engine", "adapters", "faults", "runs"},
     "bench": BASE | {"ops", "config", "runtime", "bench"},

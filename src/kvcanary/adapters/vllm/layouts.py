@@ -132,3 +132,17 @@ def fingerprintable(layout: Layout, cpu_halves: tuple[Half, ...] = ()) -> tuple[
 
 def covers_all_heads(layout: Layout, num_heads: int) -> bool:
     return num_heads == 1 or layout in (Layout.FLASH_ATTN_NHD, Layout.FLASHINFER_NHD)
+
+
+def detect_layout(shape: tuple[int, ...], geometry: Geometry) -> Layout:
+    """A GPU layer cache's layout from its shape (the FlashAttention and FlashInfer layouts)."""
+    b, n, h, d = geometry.num_blocks, geometry.block_size, geometry.num_heads, geometry.head_dim
+    candidates = (((2, b, n, h, d), Layout.FLASH_ATTN_NHD), ((2, b, h, n, d), Layout.FLASH_ATTN_HND),
+                  ((b, 2, n, h, d), Layout.FLASHINFER_NHD), ((b, 2, h, n, d), Layout.FLASHINFER_HND))
+    found = {layout for s, layout in candidates if s == tuple(shape)}
+    if len(found) != 1:
+        what = "matches several layouts" if found else "matches none of the layouts"
+        raise ConfigError(f"kv-canary: a vLLM KV cache of shape {list(shape)} (blocks={b}, block_size={n}, "
+                          f"kv_heads={h}, head_dim={d}) {what} the adapter covers: FlashAttention [2, B, N, H, D] or "
+                          "[2, B, H, N, D], FlashInfer [B, 2, N, H, D] or [B, 2, H, N, D], CPU [B, H, N, 2D]")
+    return found.pop()

@@ -6,7 +6,8 @@ processes (one process for all three in single-process mode); vLLM pickles these
 | message          | from -> to          | carries                                                          |
 |------------------|---------------------|------------------------------------------------------------------|
 | ``StepMessage``  | scheduler -> worker | per scheduled request: its canary row, where its truth starts and |
-|                  | (connector metadata)| the token ids from there; blocks handed out fresh; sweep runs     |
+|                  | (connector metadata)| the token ids from there, the blocks it was given; blocks handed  |
+|                  |                     | out fresh; requests gone; sweep runs                              |
 | ``WorkerReport`` | worker -> scheduler | blocks found damaged (to leave the prefix cache), requests that   |
 |                  | (worker metadata)   | read them                                                         |
 | ``CanaryStats``  | worker -> frontend  | counters for vLLM's Prometheus metrics (``kvcanary_*``)           |
@@ -28,6 +29,9 @@ class StepMessage(KVConnectorMetadata):
     # request id -> (canary row, position its truth tokens start at, the token ids from there on)
     requests: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
     fresh_blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
+    # request id -> (True: its whole block list, False: blocks appended to it) per KV cache group
+    blocks: dict[str, tuple[bool, list[list[int]]]] = field(default_factory=dict)
+    gone: list[str] = field(default_factory=list)  # requests that finished or were preempted
     sweep: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (blocks, their tokens) from position 0
 
 

@@ -38,6 +38,8 @@ class SchedulerSide:
         self.block_pool = None
         self.kv_cache_manager = None
         self.quarantined = 0
+        self.prefix_hits = 0  # requests whose first forward read prefix-cache blocks
+        self.preemptions = 0
 
     def bind(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -67,13 +69,17 @@ class SchedulerSide:
             self._release(rid)
         for rid in so.preempted_req_ids or ():
             self._release(rid)  # a resumed request starts its truth again, in a new row
-        msg = StepMessage(self.step, fresh_blocks=[[] for _ in self.block_sizes])
+            self.preemptions += 1
+        msg = StepMessage(self.step, fresh_blocks=[[] for _ in self.block_sizes],
+                          gone=[*so.finished_req_ids, *(so.preempted_req_ids or ())])
         scheduled = so.num_scheduled_tokens
         for nr in so.scheduled_new_reqs:
             self._release(nr.req_id)
             c, n = nr.num_computed_tokens, scheduled[nr.req_id]
             tokens = self._tokens(nr.req_id, 0, c + n, nr.prompt_token_ids)
             msg.requests[nr.req_id] = (self._row(nr.req_id), 0, tokens)
+            msg.blocks[nr.req_id] = (True, [list(ids) for ids in nr.block_ids])
+            self.prefix_hits += c > 0
             for g, ids in enumerate(nr.block_ids):
                 msg.fresh_blocks[g].extend(ids[c // self.block_sizes[g]:])
         cached = so.scheduled_cached_reqs
@@ -86,6 +92,7 @@ class SchedulerSide:
             msg.requests[rid] = (self._row(rid), start, self._tokens(rid, start, c + n))
             new = cached.new_block_ids[i]
             if new is not None:
+                msg.blocks[rid] = (resumed, [list(ids) for ids in new])
                 for g, ids in enumerate(new):
                     msg.fresh_blocks[g].extend(ids[c // self.block_sizes[g]:] if resumed else ids)
         if self.settings.sweep_interval and self.step % self.settings.sweep_interval == 0:
@@ -106,7 +113,7 @@ class SchedulerSide:
         rid = request.request_id
         self.requests.pop(rid, None)
         self._release(rid)
-        if self.block_pool is None or not self.settings.sweep_interval:
+        if self.block_pool is None:
             return
         bs = self.block_sizes[0]
         blocks, hashes = [], []

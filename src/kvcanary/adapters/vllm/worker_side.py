@@ -31,6 +31,7 @@ from kvcanary.adapters.vllm.layouts import (
     Geometry,
     Layout,
     covers_all_heads,
+    detect_layout,
     fingerprintable,
     num_blocks_of,
     sources_for,
@@ -98,6 +99,8 @@ class GroupCanary:
         self.canary = Canary(config, PoolGeometry(self.num_slots, rows, self.max_ctx, str(device)), sources=sources,
                              pool=PoolKind.SWA if window else PoolKind.FULL, window=window)
         self.req_to_token = torch.zeros(rows, self.max_ctx, dtype=torch.int32, device=device)
+        # each row's token ids as the scheduler sent them (host): which reader a mismatch was read by
+        self.tokens = torch.full((rows, self.max_ctx), -1, dtype=torch.int64)
         self.blocks = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
         self.lut = torch.arange(self.num_slots, dtype=torch.int64, device=device) if window else None
         self.offsets = torch.arange(bs, dtype=torch.int32, device=device)
@@ -157,7 +160,10 @@ class WorkerSide:
         self.invalid_blocks: set[int] = set()
         self.violations = []  # every violation this worker reported, in order
         self.counts: Counter = Counter()  # CanaryStats increments since the last read
-        self.hooks: list = []  # fn(point: str, view: StepView), point "head" (before HEAD) or "tail" (before TAIL)
+        # per KV cache group: request id -> its block list as the scheduler handed it out
+        self.request_blocks: list[dict[str, list[int]]] = [{} for _ in groups]
+        # fn(point, view) at "head" (before HEAD), "model" (after HEAD, before the model), "tail" (before TAIL)
+        self.hooks: list = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
@@ -166,8 +172,6 @@ class WorkerSide:
             shape = tuple(kv_caches[spec.layer_names[0]].shape)
             layout = self.layout
             if layout is None:  # a GPU: the layout from the tensor's shape
-                from kvcanary.adapters.vllm.checks import detect_layout
-
                 guess = Geometry(shape[1] if shape[0] == 2 else shape[0], spec.block_size, spec.num_heads,
                                  spec.head_dim)
                 layout = detect_layout(shape, guess)
@@ -213,6 +217,8 @@ class WorkerSide:
         for g, batches in zip(self.groups, waves, strict=True):
             for b in batches:
                 g.canary.head(b)
+        for hook in self.hooks:
+            hook("model", view)
         with torch.inference_mode():
             out = forward(**kwargs)
         for hook in self.hooks:
@@ -224,11 +230,21 @@ class WorkerSide:
         return out
 
     def _before_head(self, msg: StepMessage) -> None:
+        for rid in msg.gone:
+            for lists in self.request_blocks:
+                lists.pop(rid, None)
+        for rid, (whole, per_group) in msg.blocks.items():
+            for lists, ids in zip(self.request_blocks, per_group, strict=False):
+                if whole or rid not in lists:
+                    lists[rid] = list(ids)
+                else:
+                    lists[rid].extend(ids)
         for g in self.groups:
             fresh = msg.fresh_blocks[g.spec.index] if g.spec.index < len(msg.fresh_blocks) else ()
             if fresh:
                 g.canary.slots_freed(g.slots_of_blocks(fresh))
-        if msg.sweep and self.settings.sweep_interval:
+        interval = self.settings.sweep_interval
+        if interval and msg.step % interval == 0:  # every interval, runs or none (the watchdog counts sweeps)
             for g in self.groups:
                 if g.spec.window:
                     continue  # sweeps cover the full-attention groups (their runs start at position 0)
@@ -286,7 +302,8 @@ class WorkerSide:
             req_ids = [req_ids[r] for r in idx]
         starts, truth, lengths = [], [], []
         for rid in req_ids:
-            _, start, tokens = msg.requests[rid]
+            row, start, tokens = msg.requests[rid]
+            g.tokens[row, start: start + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             starts.append(start)
             truth.extend(tokens)
             lengths.append(len(tokens))
@@ -300,7 +317,9 @@ class WorkerSide:
     # --- after the forward ----------------------------------------------------------------------
 
     def _after(self, msg: StepMessage, waves: list[list[ForwardBatch]]) -> None:
-        """Read each group's report; name the damaged blocks and the requests that read them."""
+        """Read each group's report: the damaged blocks leave the prefix cache (the scheduler's half
+        evicts them), and under raise/recompute the blocks through which the requests that read
+        the damage are failed or rewound go to vLLM (``_recovery_blocks``)."""
         self.counts["forwards"] += 1
         for g, batches in zip(self.groups, waves, strict=True):
             rep = g.canary.end_step(msg.step)
@@ -313,30 +332,59 @@ class WorkerSide:
                 self.counts[CanaryStats.violation_key(reasons, v.tag.point.name)] += 1
             bs = g.spec.block_size
             damaged = {v.slot // bs for v in rep.violations if 0 < v.slot < g.num_slots} - {0}
-            if not damaged:
-                continue
-            self.pending.damaged.setdefault(g.spec.index, set()).update(damaged)
-            readers = {r for v in rep.violations for r, _ in v.owners if isinstance(r, str) and r != "cache"}
-            self.pending.readers |= readers
+            readers = {r for v in rep.violations for r, _ in self._readers(g, v, msg)}
+            if damaged:
+                self.pending.damaged.setdefault(g.spec.index, set()).update(damaged)
+            self.pending.readers |= set(readers)
             if rep.recovery is not None:
-                for b in batches:
-                    self.invalid_blocks |= self._rewind_blocks(g, b, damaged)
+                blocks = self._recovery_blocks(g, batches, rep.violations, msg)
+                self.invalid_blocks |= blocks
                 self.counts["recovered_requests"] += len(readers)
 
-    def _rewind_blocks(self, g: GroupCanary, b: ForwardBatch, damaged: set[int]) -> set[int]:
-        """The blocks to hand vLLM as bad: the damaged ones, and for a request whose damaged block
-        lies past the tokens it had computed before this step (a write of this step), the block of
-        its last computed token, so that vLLM rewinds it and drops this step's token."""
+    def _readers(self, g: GroupCanary, v, msg: StepMessage) -> list[tuple[str, int]]:
+        """The requests of this forward whose own read failed in violation ``v``. The canary names
+        every request that reads the slot; a request whose token and position at that position are
+        the ones the slot holds did not fail a token or position check (another reader did: a
+        wrong page-table entry points it at this slot), unless the slot's bytes are damaged."""
+        identity = Reason.VERIFY_TOKEN | Reason.POSITION
+        out = []
+        for rid, position in v.owners:
+            if not isinstance(rid, str) or rid not in msg.requests:
+                continue  # a sweep's "cache", or a request not in this forward
+            if v.reasons & identity and not v.reasons & ~(identity | Reason.CHAIN):
+                row = msg.requests[rid][0]
+                same_token = int(g.tokens[row, position]) == v.token if position < g.max_ctx else False
+                if same_token and position == v.position:
+                    continue
+            out.append((rid, position))
+        return out
+
+    def _recovery_blocks(self, g: GroupCanary, batches: list[ForwardBatch], violations,
+                         msg: StepMessage) -> set[int]:
+        """The blocks that make vLLM fail or rewind exactly the requests that read the damage.
+
+        vLLM finds the requests a bad block affects through its own block lists, so each reader of
+        a violation is named by the block its own list holds at the position it read (not the
+        slot's block: a wrong page-table entry reads another request's block). A position past the
+        tokens the request had computed before this forward (a write of this forward) is named by
+        the block of its last computed token, so that vLLM rewinds it and drops this forward's token;
+        a request's first forward has none (docs/vllm.md)."""
         bs = g.spec.block_size
-        out = set(damaged)
-        for r in range(b.batch_size):
-            row, c = int(b.req_pool_indices[r]), int(b.prefix_lens[r])
-            n = c + int(b.extend_lens[r])
-            blocks = g.blocks[row, : -(-n // bs)].tolist()
-            mine = [j for j, blk in enumerate(blocks) if blk in damaged]
-            if mine and c > 0 and min(mine) >= -(-c // bs):
-                out.add(blocks[(c - 1) // bs])
-        out.discard(0)
+        lists = self.request_blocks[g.spec.index]
+        computed = {rid: int(b.prefix_lens[r]) for b in batches for r, rid in enumerate(b.request_ids)}
+        out = set()
+        for v in violations:
+            for rid, position in self._readers(g, v, msg):
+                blocks, c = lists.get(rid), computed.get(rid)
+                if blocks is None or c is None:
+                    continue  # not a request of this forward (a sweep's "cache")
+                index = position // bs
+                if index >= -(-c // bs):
+                    if c == 0:
+                        continue
+                    index = (c - 1) // bs
+                if index < len(blocks) and blocks[index] > 0:
+                    out.add(blocks[index])
         return out
 
     def take_invalid_blocks(self) -> set[int]:
