@@ -92,7 +92,8 @@ class KVCanaryConnector(KVConnectorBase_V1):
         return self.worker_side.take_report()
 
     def get_kv_connector_stats(self):
-        return self.worker_side.take_stats() if self.worker_side is not None else None
+        side = self.worker_side if self.worker_side is not None else self.scheduler_side
+        return side.take_stats()
 
     def shutdown(self):
         if self.worker_side is not None:

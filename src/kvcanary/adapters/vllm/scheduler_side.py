@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from kvcanary.adapters.vllm.messages import StepMessage, WorkerReport
+from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
 from kvcanary.adapters.vllm.settings import AdapterSettings
 
 log = logging.getLogger("kvcanary")
@@ -38,6 +38,7 @@ class SchedulerSide:
         self.block_pool = None
         self.kv_cache_manager = None
         self.quarantined = 0
+        self.unreported = 0  # quarantined blocks not yet in the Prometheus counters
         self.prefix_hits = 0  # requests whose first forward read prefix-cache blocks
         self.preemptions = 0
 
@@ -165,6 +166,13 @@ class SchedulerSide:
             return
         self.kv_cache_manager.evict_blocks(blocks)
         self.quarantined += len(blocks)
+        self.unreported += len(blocks)
         for rid in [r for r, (bl, _, _) in self.runs.items() if blocks.intersection(bl)]:
             del self.runs[rid]
         log.warning("kv-canary: %d damaged block(s) left the prefix cache: %s", len(blocks), sorted(blocks))
+
+    def take_stats(self) -> CanaryStats | None:
+        if not self.unreported:
+            return None
+        stats, self.unreported = CanaryStats(data={"quarantined_blocks": self.unreported}), 0
+        return stats
