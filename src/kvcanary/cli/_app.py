@@ -14,14 +14,27 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typer.core import TyperGroup
 
 from kvcanary import __version__
-from kvcanary.errors import ConfigError
-from kvcanary.runs.setup import MissingExtra, OptionError
-from kvcanary.runtime.reporting import INCIDENTS_RE, STATS_RE, VIOLATION_RE, WATCHDOG_RE
 
-app = typer.Typer(help="Make KV-cache corruption in LLM inference engines loud.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+GLOBAL_FLAGS = ("--log-json", "--version")  # accepted before the command and after it
+
+
+class _Commands(TyperGroup):
+    """The command group: global flags given after the command (``kv-canary run --log-json``)
+    are moved in front of it, where the group parses them."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        hoisted = [a for a in args[:end] if a in GLOBAL_FLAGS]
+        rest = [a for a in args[:end] if a not in GLOBAL_FLAGS]
+        return super().parse_args(ctx, hoisted + rest + args[end:])
+
+
+app = typer.Typer(cls=_Commands, help="Make KV-cache corruption in LLM inference engines loud.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 console = Console()
 if not console.is_terminal:
     console.width = 132  # reports piped to a file or a CI log: no need to wrap at 80 columns
@@ -35,6 +48,9 @@ err_console = Console(stderr=True)
 def options_checked():
     """Turn what a run refuses into the command line's errors: a bad option -> usage error (exit
     2) naming the option; a missing extra -> one line naming it (exit 2)."""
+    from kvcanary.errors import ConfigError
+    from kvcanary.runs.setup import MissingExtra, OptionError
+
     try:
         yield
     except MissingExtra as e:
@@ -49,6 +65,8 @@ def options_checked():
 def require_extra(module: str, extra: str, what: str) -> None:
     """One line naming the extra and exit 2 when ``module`` cannot be imported."""
     if importlib.util.find_spec(module) is None:
+        from kvcanary.runs.setup import MissingExtra
+
         print(MissingExtra(extra, what), file=sys.stderr)  # one unwrapped line
         raise typer.Exit(2)
 
@@ -71,13 +89,18 @@ class JsonLinesFormatter(logging.Formatter):
     the frozen violation, stats and watchdog lines also ``event`` and ``fields``, parsed with the
     line's regex (integers as numbers)."""
 
-    EVENTS = (("violation", VIOLATION_RE), ("incidents", INCIDENTS_RE), ("stats", STATS_RE), ("watchdog", WATCHDOG_RE))
+    def __init__(self) -> None:
+        super().__init__()
+        from kvcanary.runtime.reporting import INCIDENTS_RE, STATS_RE, VIOLATION_RE, WATCHDOG_RE
+
+        self.events = (("violation", VIOLATION_RE), ("incidents", INCIDENTS_RE), ("stats", STATS_RE),
+                       ("watchdog", WATCHDOG_RE))
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
         out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
                "level": record.levelname, "logger": record.name, "message": message}
-        for event, regex in self.EVENTS:
+        for event, regex in self.events:
             match = regex.match(message)
             if match:
                 out["event"] = event
