@@ -104,6 +104,13 @@ def demo(
             pd = run_pd_campaign(pd_setup, pd_names, seed=seed, warmup_steps=pd_warmup,
                                  progress=lambda label: per_run(label, split_requests))
         progress.advance(runs)
+    passed = _report(result, zoo, window, pd, json_path)
+    if not passed:
+        raise typer.Exit(1)
+
+
+def _report(result, zoo: list, window, pd, json_path: Path | None) -> bool:
+    """Print the tables and the verdict, write the JSON; whether everything passed."""
     _print_fault_table(result)
     if zoo:
         _print_zoo_table(zoo)
@@ -126,8 +133,7 @@ def demo(
                       highlight=False)
     console.print("[green]all faults detected, all zoo bugs detected, clean run clean[/]" if passed
                   else "[red]self-test failed[/]")
-    if not passed:
-        raise typer.Exit(1)
+    return passed
 
 
 def _names(values: list[str], known: dict, option: str) -> list[str]:
