@@ -188,6 +188,28 @@ def test_a_bad_choice_is_one_plain_sentence(option, value, choices):
     assert "Value error" not in text and "Input should be" not in text
 
 
+@pytest.mark.parametrize("args, words", [
+    (("run", "--requests", "abc"), "Invalid value for '--requests': expected a whole number, got 'abc'"),
+    (("run", "--requests=0"), "Invalid value for '--requests': expected at least 1, got '0'"),
+    (("serve", "--port", "99999"), "Invalid value for '--port': expected at most 65535, got '99999'"),
+    (("bench", "nope"), "Invalid value for 'what': 'nope' is not one of ops, overhead, step, all"),
+])
+def test_a_bad_number_or_argument_is_said_plainly(args, words):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    text = " ".join(result.output.replace("│", " ").split())
+    assert words in text, text
+    assert "Input should" not in text and "Value error" not in text
+
+
+def test_plain_words_leave_plain_messages_alone():
+    from kvcanary.cli._app import plain_words
+
+    message = "unknown fault(s) nope; choose from a, b"
+    assert plain_words(message, "nope") == message
+    assert plain_words("Input should be a valid boolean", "maybe") == "expected a valid boolean, got 'maybe'"
+
+
 def test_choices_are_case_blind_and_reach_the_run(tmp_path):
     path = tmp_path / "r.json"
     result = invoke("run", *SMALL, "--policy", "RAISE", "--real-kv", "All", "--report", str(path))

@@ -21,15 +21,54 @@ from kvcanary import __version__
 GLOBAL_FLAGS = ("--log-json", "--version")  # accepted before the command and after it
 
 
+# typer words a bad value's error with its validation library's phrases; the command line says them plainly
+_PLAIN_WORDS = (
+    (re.compile(r"^Value error, (.*?)\.?$"), r"\1"),
+    (re.compile(r"^Input should be a valid integer.*"), "expected a whole number"),
+    (re.compile(r"^Input should be a valid number.*"), "expected a number"),
+    (re.compile(r"^Input should be greater than or equal to (\S+)$"), r"expected at least \1"),
+    (re.compile(r"^Input should be less than or equal to (\S+)$"), r"expected at most \1"),
+    (re.compile(r"^Input should be (.*)$"), r"expected \1"),
+)
+
+
+def plain_words(message: str, given: str | None = None) -> str:
+    """``message`` without the validation library's phrases, naming ``given`` where it does not."""
+    for pattern, words in _PLAIN_WORDS:
+        if pattern.match(message):
+            plain = pattern.sub(words, message)
+            return plain if given is None or given in plain else f"{plain}, got {given!r}"
+    return message
+
+
+def _given(args: list[str], param) -> str | None:
+    """The value ``args`` gave the option ``param`` (None for an argument, or when absent)."""
+    for i, arg in enumerate(args):
+        for name in getattr(param, "opts", ()):
+            if name.startswith("-") and arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if name.startswith("-") and arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
+
+
 class _Commands(TyperGroup):
     """The command group: global flags given after the command (``kv-canary run --log-json``)
-    are moved in front of it, where the group parses them."""
+    are moved in front of it, where the group parses them; a bad value's error is worded plainly."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         end = args.index("--") if "--" in args else len(args)
         hoisted = [a for a in args[:end] if a in GLOBAL_FLAGS]
         rest = [a for a in args[:end] if a not in GLOBAL_FLAGS]
         return super().parse_args(ctx, hoisted + rest + args[end:])
+
+    def invoke(self, ctx):
+        args = [*getattr(ctx, "_protected_args", ()), *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as e:
+            e.message = plain_words(e.message, _given(args, e.param))
+            raise
 
 
 app = typer.Typer(cls=_Commands, help="Make KV-cache corruption in LLM inference engines loud.",

@@ -30,7 +30,8 @@ class BenchWhat(str, enum.Enum):
                   "on the CPU eager calls are timed with perf_counter. Prints a table last; exit status 1 when a "
                   "cross-check differs, a timed step reports a violation or a part fails.")
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(help="ops, overhead, step, or all (ops and overhead).")] = BenchWhat.all,
+    what: Annotated[BenchWhat, typer.Argument(parser=opt.choice(BenchWhat),
+                                              help="ops, overhead, step, or all (ops and overhead).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Tiny shapes that run in seconds on the CPU.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON here.")] = None,
     markdown: Annotated[Path | None, typer.Option("--markdown", help="Write the overhead table as Markdown here.")]
