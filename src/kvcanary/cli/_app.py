@@ -73,6 +73,7 @@ class _Commands(TyperGroup):
 
 app = typer.Typer(cls=_Commands, help="Make KV-cache corruption in LLM inference engines loud.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  options_metavar="[<options>]", subcommand_metavar="<command> [<args>]...",
                   context_settings={"help_option_names": ["-h", "--help"]})
 console = Console()
 if not console.is_terminal:
