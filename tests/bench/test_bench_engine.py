@@ -3,7 +3,6 @@ what each engine computes alone, and its per-kind figures add up to the run's.""
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import random
@@ -192,68 +191,6 @@ def test_by_kind_prints_what_the_canary_time_leaves_of_the_difference(bench, cap
         assert canary == pytest.approx(statistics.median(p[2] for p in per), abs=0.05)
         assert rest == pytest.approx(statistics.median(p[0] - p[1] - p[2] for p in per), abs=0.05)
         assert [float(x) for x in rows[modes[-2], kind][2:5]] == [0.0, 0.0, 0.0]
-
-
-def test_engine_phases_lockstep_times_each_mode_on_the_same_steps():
-    """``engine_phases.py --lockstep``: every mode's engine runs the same steps, each step's parts
-    recorded under its own mode (the canary's parts under the canary's modes only)."""
-    script = SCRIPT.parent / "engine_phases.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
-                           "--runs", "2", "--requests", "6"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    walls = {line.split()[0]: ast.literal_eval(line.split(": ", 1)[1]) for line in lines if " runs (s, steps" in line}
-    assert set(walls) == {"off", "partial", "none"}
-    steps = {m: [w[1] for w in ws] for m, ws in walls.items()}
-    assert len(steps["off"]) == 2 and steps["off"] == steps["partial"] == steps["none"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines}
-    for i, m in enumerate(("off", "partial", "none")):  # per mode: ms a run, median µs, calls a run
-        assert int(rows["Engine.step"][3 * i + 2]) == sum(steps[m]) // 2
-        assert int(rows["canary.tail"][3 * i + 2]) == (0 if m == "off" else sum(steps[m]) // 2)
-
-
-def test_engine_phases_takes_the_modes_it_is_given():
-    """``engine_phases.py --modes``: "off" and each given mode (``bench_engine.py``'s syntax), the
-    same steps each; the canary's parts under the canary's modes only; a bad mode named."""
-    script = SCRIPT.parent / "engine_phases.py"
-    modes = ("off", "off/readback", "partial/readback@4")
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
-                           "--runs", "2", "--requests", "5", "--modes", ",".join(modes[1:])], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    walls = {line.split()[0]: ast.literal_eval(line.split(": ", 1)[1]) for line in lines if " runs (s, steps" in line}
-    assert tuple(walls) == modes
-    steps = {m: sum(w[1] for w in ws) // 2 for m, ws in walls.items()}
-    assert len(set(steps.values())) == 1
-    rows = {line.split()[0]: line.split()[1:] for line in lines}
-    for i, m in enumerate(modes):  # per mode: ms a run, median µs, calls a run
-        assert int(rows["Engine.step"][3 * i + 2]) == steps[m]
-        assert int(rows["canary.tail"][3 * i + 2]) == (0 if m.startswith("off") else steps[m])
-    bad = subprocess.run([sys.executable, str(script), "--device", "cpu", "--modes", "partial/readback/x"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "a suffix after / is whole" in bad.stderr and "got 'x'" in bad.stderr
-
-
-def test_engine_phases_inner_times_the_canarys_own_calls():
-    """``engine_phases.py --inner``: the canary's calls inside its launches get rows of their own,
-    under the canary's modes only (on the CPU: its joins; the bound check, the kernel launch and
-    the reporter's advance are the device path's); ``--sync-head`` waits only on CUDA."""
-    script = SCRIPT.parent / "engine_phases.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
-                           "--runs", "1", "--requests", "4", "--modes", "partial", "--inner", "--sync-head"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
-    steps = int(rows["Engine.step"][2])
-    assert steps > 0 and int(rows["Engine.step"][5]) == steps
-    assert int(rows["Canary.join"][2]) == 0 and int(rows["Canary.join"][5]) > 0  # off, partial: calls a run
-    assert "sync" not in rows and "BoundCheck.__call__" not in rows
-    plain = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
-                            "--runs", "1", "--requests", "4", "--modes", "partial"], capture_output=True, text=True,
-                           timeout=300)
-    assert plain.returncode == 0, plain.stderr
-    assert "Canary.join" not in plain.stdout
 
 
 def test_a_readback_modes_on_off_is_against_off_readback(tmp_path):

@@ -156,13 +156,13 @@ def test_log_json_option_writes_violation_lines_as_json():
     assert "kv_canary violation: step=" in plain.stderr and not plain.stderr.lstrip().startswith("{")
 
 
-def test_readme_documents_the_frozen_lines_and_their_regexes():
+def test_the_docs_document_the_frozen_lines_and_their_regexes():
     from pathlib import Path
 
     from kvcanary.runtime.reporting import INCIDENTS_RE, VIOLATION_RE
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "docs" / "operating.md").read_text().splitlines()
     for regex in (VIOLATION_RE, INCIDENTS_RE, STATS_RE, WATCHDOG_RE):
-        assert regex.pattern in readme, f"README lacks the pattern of {regex.pattern[:40]}..."
-    assert any(STATS_RE.match(line) for line in readme) and any(WATCHDOG_RE.match(line) for line in readme)
-    assert any(INCIDENTS_RE.match(line) for line in readme)
+        assert regex.pattern in lines, f"docs/operating.md lacks the pattern of {regex.pattern[:40]}..."
+    assert any(STATS_RE.match(line) for line in lines) and any(WATCHDOG_RE.match(line) for line in lines)
+    assert any(INCIDENTS_RE.match(line) for line in lines)

@@ -10,10 +10,12 @@
     kv-canary serve  the reference engine behind an OpenAI-compatible /v1/completions, with the
                      canary's admin routes and Prometheus /metrics (needs the server extra)
     kv-canary report a run's JSON report as a self-contained HTML incident page and a PNG timeline
-    kv-canary bench  kernel microbenchmarks (ops) and the overhead study (overhead), each beside
-                     its bandwidth floor measured in the same run; table last, optional JSON
+    kv-canary bench  kernel microbenchmarks (ops), the overhead study (overhead) and a real
+                     8B-shaped step with the canary off and on (step), each beside its floor
+                     measured in the same run; table last, optional JSON
 
-``kv-canary --log-json COMMAND`` logs JSON lines instead of plain ones.
+``--log-json`` (JSON log lines) and ``--version`` go before or after the command; ``-h`` is
+``--help``. Parsing imports no torch (``options``), so help and bad options answer at once.
 
 Configuration is built here, from the options, and passed down frozen.
 """

@@ -7,14 +7,10 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
-from kvcanary.bench.op_cases import run_ops
-from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
-from kvcanary.bench.step import run_step_command
+from kvcanary.cli import options as opt
 from kvcanary.cli._app import app
-from kvcanary.runs.setup import DeviceName
 
 
 class BenchWhat(str, enum.Enum):
@@ -34,22 +30,32 @@ class BenchWhat(str, enum.Enum):
                   "on the CPU eager calls are timed with perf_counter. Prints a table last; exit status 1 when a "
                   "cross-check differs, a timed step reports a violation or a part fails.")
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(help="ops, overhead or all.")] = BenchWhat.all,
+    what: Annotated[BenchWhat, typer.Argument(parser=opt.choice(BenchWhat),
+                                              help="ops, overhead, step, or all (ops and overhead).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Tiny shapes that run in seconds on the CPU.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON here.")] = None,
     markdown: Annotated[Path | None, typer.Option("--markdown", help="Write the overhead table as Markdown here.")]
     = None,
-    device: Annotated[DeviceName | None, typer.Option("--device", help="cuda when available, else cpu.")] = None,
-    modes: Annotated[str | None, typer.Option("--modes", help="Overhead modes, comma-separated (default all: "
-                                              f"{','.join(m.name for m in MODES)}).")] = None,
+    device: Annotated[opt.DeviceChoice | None, typer.Option("--device", parser=opt.choice(opt.DeviceChoice),
+                                                            metavar="<cpu|cuda>", help="cuda when available, else "
+                                                            "cpu.")] = None,
+    modes: Annotated[str | None, typer.Option("--modes", metavar="<mode,...>", help="Overhead modes, "
+                                              "comma-separated (default: every mode; an unknown one lists "
+                                              "them).")] = None,
     sweep_budget: Annotated[int, typer.Option("--sweep-budget", min=1, help="Bytes one sweep may read (overhead "
                                               "study).")] = 1 << 20,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the random inputs.")] = 0,
 ) -> None:
     """Run the chosen benchmarks; JSON with ``--json``."""
+    import torch
+
+    from kvcanary.bench.op_cases import run_ops
+    from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
+    from kvcanary.bench.step import run_step_command
+
     if device is None:
-        device = DeviceName.CUDA if torch.cuda.is_available() else DeviceName.CPU
-    if device is DeviceName.CUDA and not torch.cuda.is_available():
+        device = opt.DeviceChoice.CUDA if torch.cuda.is_available() else opt.DeviceChoice.CPU
+    if device is opt.DeviceChoice.CUDA and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available on this machine; use --device cpu", param_hint="--device")
     chosen = None
     if modes is not None:

@@ -12,15 +12,16 @@ from rich.table import Table
 
 from kvcanary.cli import options as opt
 from kvcanary.cli._app import app, console, options_checked, progress_bar, setup_logging, tracker
-from kvcanary.engine.config import Bug
-from kvcanary.engine.workload import WorkloadConfig
-from kvcanary.engine.zoo import CATALOGUE
-from kvcanary.runs.setup import DemoOptions, ModelPreset, RunOptions, run_setup
 
-DEMO = DemoOptions()  # the defaults of every option below
+DEMO = opt.DEMO  # the defaults of every option below
 # the window and transfer runs need this much traffic: a stale transfer lands only on a slot freed and reused
 SPLIT_MIN_REQUESTS = 16
-ALL = "all"  # every kind
+ALL = opt.ALL  # every kind
+
+
+def _kinds(help: str, *names: str):
+    return typer.Option(*names, metavar="<kind,...>", help=help + " Comma-separated or repeated; all: every kind; "
+                        "an empty value: none.")
 
 
 @app.command(help="Self-test: a clean run, then one run per fault kind, then one run per real-bug zoo switch "
@@ -30,53 +31,54 @@ ALL = "all"  # every kind
                   "fault or bug was missed, a run reported a violation its fault or bug does not explain, or the clean "
                   "run reported anything.")
 def demo(
-    requests: opt.Requests = DEMO.run.requests,
-    max_new_tokens: opt.MaxNewTokens = DEMO.run.max_new_tokens,
-    seed: opt.Seed = DEMO.run.seed,
-    model: opt.Model = DEMO.run.model,
-    device: opt.Device = DEMO.run.device,
-    real_kv: opt.RealKv = opt.MODE_NAMES[DEMO.run.canary.real_kv],
-    sweep_interval: opt.SweepInterval = DEMO.run.canary.sweep_interval,
-    sweep_budget: opt.SweepBudget = DEMO.run.canary.sweep_budget,
-    faults: Annotated[str, typer.Option("--faults", help="Comma-separated fault kinds to inject (all: every kind "
-                                        "of kvcanary.faults.FAULTS).")] = ALL,
+    requests: opt.Requests = DEMO.requests,
+    max_new_tokens: opt.MaxNewTokens = DEMO.max_new_tokens,
+    seed: opt.Seed = DEMO.seed,
+    model: opt.Model = DEMO.model.value,
+    device: opt.Device = DEMO.device.value,
+    real_kv: opt.RealKv = DEMO.real_kv.value,
+    sweep_interval: opt.SweepInterval = DEMO.sweep_interval,
+    sweep_budget: opt.SweepBudget = DEMO.sweep_budget,
+    faults: Annotated[list[str], _kinds("Fault kinds to inject, one run each (kvcanary.faults.FAULTS).",
+                                        "--faults", "--fault")] = [ALL],  # noqa: B006 (typer copies it)
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps before each fault may act.")] = (
-        DEMO.run.fault_warmup),
-    bugs: Annotated[str, typer.Option("--bugs", help="Comma-separated zoo bugs to switch on, one run each "
-                                      "(empty: no zoo runs).")] = ",".join(b.value for b in Bug),
-    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="opt.Requests of each zoo run's built-in "
-                                              "workload.")] = DEMO.zoo_requests,
-    window_faults: Annotated[str, typer.Option("--window-faults", help="Comma-separated sliding-window fault kinds, "
-                                               "run on --model hybrid-swa (all: every kind; empty: none).")] = ALL,
-    pd_faults: Annotated[str, typer.Option("--pd-faults", help="Comma-separated transfer fault kinds, run on a "
-                                           "prefill/decode split (all: every kind; empty: none).")] = ALL,
+        DEMO.fault_warmup),
+    bugs: Annotated[list[str], _kinds("Zoo bugs to switch on, one run each (kvcanary.engine.zoo).",
+                                      "--bugs")] = [ALL],  # noqa: B006
+    zoo_requests: Annotated[int, typer.Option("--zoo-requests", min=1, help="Requests of each zoo run's built-in "
+                                              "workload.")] = opt.DEMO_ZOO_REQUESTS,
+    window_faults: Annotated[list[str], _kinds("Sliding-window fault kinds, run on --model hybrid-swa.",
+                                               "--window-faults")] = [ALL],  # noqa: B006
+    pd_faults: Annotated[list[str], _kinds("Transfer fault kinds, run on a prefill/decode split.",
+                                           "--pd-faults")] = [ALL],  # noqa: B006
     pd_warmup: Annotated[int, typer.Option("--pd-warmup", min=0, help="Decode-engine steps before each transfer "
-                                           "fault may act.")] = DEMO.pd_warmup,
+                                           "fault may act.")] = opt.DEMO_PD_WARMUP,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     threads: opt.Threads = None,
     verbose: opt.Verbose = False,
 ) -> None:
     """The fault matrix and the zoo on the built-in workload: tables on stdout, JSON with ``--json``."""
+    from kvcanary.engine.config import Bug
+    from kvcanary.engine.workload import WorkloadConfig
     from kvcanary.faults import FAULTS, PD_FAULTS, WINDOW_FAULTS  # the demo is the fault code's user
     from kvcanary.runs.campaign import run_campaign, run_pd_campaign, run_zoo, zoo_cases
+    from kvcanary.runs.setup import ModelPreset, RunOptions, run_setup
 
     opt.set_threads(threads, model)
     setup_logging(logging.WARNING if verbose else logging.CRITICAL)
     names = _names(faults, FAULTS, "--faults")
     window_names = _names(window_faults, WINDOW_FAULTS, "--window-faults")
     pd_names = _names(pd_faults, PD_FAULTS, "--pd-faults")
-    bug_names = [b.strip() for b in bugs.split(",") if b.strip()]
-    unknown = [b for b in bug_names if b not in {x.value for x in Bug}]
-    if unknown:
-        raise typer.BadParameter(f"unknown bug(s) {unknown}; choose from {', '.join(b.value for b in Bug)}",
-                                 param_hint="--bugs")
+    bug_names = _names(bugs, {b.value: b for b in Bug}, "--bugs")
     with options_checked():
-        base = RunOptions(requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
-                          canary=opt.canary_options(DEMO.run.canary.policy, real_kv, sweep_interval, sweep_budget))
+        preset = opt.model_preset(model)
+        base = RunOptions(requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=preset,
+                          device=opt.device_name(device),
+                          canary=opt.canary_options(DEMO.policy, real_kv, sweep_interval, sweep_budget))
         setup = run_setup(base)
         split = RunOptions(**{**base.__dict__, "requests": max(requests, SPLIT_MIN_REQUESTS)})
         window_setup = run_setup(RunOptions(**{**split.__dict__, "model": ModelPreset.HYBRID_SWA}))
-        pd_model = ModelPreset.TINY if model is ModelPreset.HYBRID_SWA else model
+        pd_model = ModelPreset.TINY if preset is ModelPreset.HYBRID_SWA else preset
         pd_setup = run_setup(RunOptions(**{**split.__dict__, "model": pd_model}))
     zoo_workload = WorkloadConfig(num_requests=zoo_requests, max_new_tokens=max_new_tokens, seed=seed,
                                   vocab_size=setup.model.vocab_size)
@@ -102,6 +104,13 @@ def demo(
             pd = run_pd_campaign(pd_setup, pd_names, seed=seed, warmup_steps=pd_warmup,
                                  progress=lambda label: per_run(label, split_requests))
         progress.advance(runs)
+    passed = _report(result, zoo, window, pd, json_path)
+    if not passed:
+        raise typer.Exit(1)
+
+
+def _report(result, zoo: list, window, pd, json_path: Path | None) -> bool:
+    """Print the tables and the verdict, write the JSON; whether everything passed."""
     _print_fault_table(result)
     if zoo:
         _print_zoo_table(zoo)
@@ -124,18 +133,19 @@ def demo(
                       highlight=False)
     console.print("[green]all faults detected, all zoo bugs detected, clean run clean[/]" if passed
                   else "[red]self-test failed[/]")
-    if not passed:
-        raise typer.Exit(1)
+    return passed
 
 
-def _names(text: str, known: dict, option: str) -> list[str]:
-    """The kinds ``text`` names (``all``: every kind of ``known``, in its order)."""
-    if text.strip() == ALL:
+def _names(values: list[str], known: dict, option: str) -> list[str]:
+    """The kinds ``values`` name (``all``: every kind of ``known``, in its order)."""
+    names = opt.split_kinds(values)
+    if ALL in names:
         return list(known)
-    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise typer.BadParameter(f"unknown fault(s) {unknown}; choose from {', '.join(known)}", param_hint=option)
+        what = "bug(s)" if option == "--bugs" else "fault(s)"
+        raise typer.BadParameter(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}",
+                                 param_hint=option)
     return names
 
 
@@ -178,6 +188,9 @@ def _print_fault_table(result) -> None:
 
 
 def _print_zoo_table(verdicts: list) -> None:
+    from kvcanary.engine.config import Bug
+    from kvcanary.engine.zoo import CATALOGUE
+
     table = Table(title="kv-canary demo: real-bug zoo (kvcanary.engine.zoo)", title_justify="left")
     table.add_column("bug", no_wrap=True)
     table.add_column("re-creates", no_wrap=True)

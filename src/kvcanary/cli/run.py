@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from kvcanary.cli import options as opt
 from kvcanary.cli._app import app, console, options_checked, progress_bar, require_extra, setup_logging, tracker
-from kvcanary.runs.report import RunReport
-from kvcanary.runs.run import run as run_options
-from kvcanary.runs.setup import EngineKind, RunOptions
 
-RUN = RunOptions()  # the defaults of every option below
+if TYPE_CHECKING:
+    from kvcanary.runs.report import RunReport
+
+RUN = opt.RUN  # the defaults of every option below
 
 
 def _print_summary(report: dict) -> None:
@@ -79,29 +79,29 @@ def run(
     requests: opt.Requests = RUN.requests,
     max_new_tokens: opt.MaxNewTokens = RUN.max_new_tokens,
     seed: opt.Seed = RUN.seed,
-    model: opt.Model = RUN.model,
-    device: opt.Device = RUN.device,
-    policy: opt.PolicyOption = RUN.canary.policy,
-    real_kv: opt.RealKv = opt.MODE_NAMES[RUN.canary.real_kv],
-    sweep_interval: opt.SweepInterval = RUN.canary.sweep_interval,
-    sweep_budget: opt.SweepBudget = RUN.canary.sweep_budget,
+    model: opt.Model = RUN.model.value,
+    device: opt.Device = RUN.device.value,
+    policy: opt.PolicyOption = RUN.policy.value,
+    real_kv: opt.RealKv = RUN.real_kv.value,
+    sweep_interval: opt.SweepInterval = RUN.sweep_interval,
+    sweep_budget: opt.SweepBudget = RUN.sweep_budget,
     no_truth: Annotated[bool, typer.Option("--no-truth", help="Do not check tokens against the requests' "
-                                           "token history.")] = not RUN.canary.truth,
+                                           "token history.")] = not RUN.truth,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats "
-                                              "lines (0 = never).")] = RUN.canary.stats_period,
+                                              "lines (0 = never).")] = RUN.stats_period,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL file of {\"prompt_ids\": [...], "
                                                  "\"max_new_tokens\": N} lines instead of the built-in "
                                                  "workload (--requests and --max-new-tokens are then "
-                                                 "ignored).")] = RUN.prompts,
-    fault: Annotated[list[str] | None, typer.Option("--fault", help="Inject a fault (repeatable); `kv-canary demo "
-                                                    "--help` names the kinds, an unknown one lists them.")] = None,
+                                                 "ignored).")] = None,
+    faults: Annotated[list[str] | None, typer.Option("--faults", "--fault", metavar="<kind,...>",
+                                                     help="Fault kinds to inject, comma-separated or repeated; "
+                                                     "`kv-canary demo --help` names them, an unknown one lists "
+                                                     "them.")] = None,
     fault_warmup: Annotated[int, typer.Option("--fault-warmup", min=0, help="Steps before a fault may "
                                               "act.")] = RUN.fault_warmup,
     report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here, and an HTML "
                                                  "incident report with a PNG timeline next to it.")] = None,
-    engine: Annotated[EngineKind, typer.Option("--engine", help="reference: the embedded engine; transformers: "
-                                               "Hugging Face transformers continuous batching with a tiny "
-                                               "random Llama (kvcanary.adapters.transformers).")] = RUN.engine,
+    engine: opt.Engine = RUN.engine.value,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks of the reference engine, one "
                                     "process each (gloo on CPU, NCCL on CUDA); reports per rank.")] = RUN.tp,
     pd: Annotated[bool, typer.Option("--pd", help="Prefill/decode split: one reference engine prefills, a second "
@@ -112,13 +112,18 @@ def run(
     """The main job: summary on stdout, JSON report with ``--report``."""
     opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
-    if engine is EngineKind.TRANSFORMERS:
+    if engine is opt.EngineChoice.TRANSFORMERS:
         require_extra("transformers", "transformers", "--engine transformers")
+    from kvcanary.runs.run import run as run_options
+    from kvcanary.runs.setup import RunOptions
+
     with options_checked():
         options = RunOptions(
-            requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=model, device=device,
+            requests=requests, max_new_tokens=max_new_tokens, seed=seed, model=opt.model_preset(model),
+            device=opt.device_name(device),
             canary=opt.canary_options(policy, real_kv, sweep_interval, sweep_budget, not no_truth, stats_period),
-            prompts=prompts, faults=tuple(fault or ()), fault_warmup=fault_warmup, engine=engine, tp=tp, pd=pd)
+            prompts=prompts, faults=tuple(opt.split_kinds(faults)), fault_warmup=fault_warmup,
+            engine=opt.engine_kind(engine), tp=tp, pd=pd)
         with progress_bar() as progress:
             total = options.requests if prompts is None else 0
             result = run_options(options, tracker(progress, "requests", total))

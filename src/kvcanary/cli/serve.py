@@ -12,10 +12,8 @@ import typer
 
 from kvcanary.cli import options as opt
 from kvcanary.cli._app import app, err_console, options_checked, require_extra, setup_logging
-from kvcanary.config import Policy
-from kvcanary.engine.config import EngineConfig
-from kvcanary.ops.fingerprint import FingerprintMode
-from kvcanary.runs.setup import DeviceName, ModelPreset, canary_config, check_device, model_config
+
+SERVE = opt.Defaults()  # the defaults of the options below that every command shares
 
 
 @app.command(help="Serve the reference engine with the canary on: OpenAI-compatible POST /v1/completions and "
@@ -26,13 +24,13 @@ from kvcanary.runs.setup import DeviceName, ModelPreset, canary_config, check_de
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
-    model: opt.Model = ModelPreset.TINY,
-    device: opt.Device = DeviceName.CPU,
-    seed: opt.Seed = 0,
-    policy: opt.PolicyOption = Policy.LOG,
-    real_kv: opt.RealKv = opt.MODE_NAMES[FingerprintMode.PARTIAL],
-    sweep_interval: opt.SweepInterval = 8,
-    sweep_budget: opt.SweepBudget = 1 << 20,
+    model: opt.Model = SERVE.model.value,
+    device: opt.Device = SERVE.device.value,
+    seed: opt.Seed = SERVE.seed,
+    policy: opt.PolicyOption = SERVE.policy.value,
+    real_kv: opt.RealKv = SERVE.real_kv.value,
+    sweep_interval: opt.SweepInterval = SERVE.sweep_interval,
+    sweep_budget: opt.SweepBudget = SERVE.sweep_budget,
     stats_period: Annotated[int, typer.Option("--stats-period", min=0, help="Steps between canary stats lines "
                                               "(0 = never).")] = 0,
     num_slots: Annotated[int, typer.Option("--num-slots", min=2, help="KV slots of the engine's pool.")] = 4096,
@@ -61,6 +59,8 @@ def serve(
     """Run the server until interrupted."""
     require_extra("fastapi", "server", "kv-canary serve")
     require_extra("uvicorn", "server", "kv-canary serve")
+    from kvcanary.engine.config import EngineConfig
+    from kvcanary.runs.setup import canary_config, check_device, model_config
     from kvcanary.server.access import AccessConfig, exposure_warning, is_loopback
     from kvcanary.server.admin import AdminConfig
     from kvcanary.server.app import route_list, run_server
@@ -75,9 +75,9 @@ def serve(
                                  "KVCANARY_ADMIN_TOKEN), or pass --allow-no-token to accept that", param_hint="--host")
     with options_checked():
         config = ServeConfig(
-            model=model_config(model, seed),
+            model=model_config(opt.model_preset(model), seed),
             engine=EngineConfig(num_slots=num_slots, max_ctx=max_ctx, chunk_size=64, host_tier_slots=num_slots // 2,
-                                device=check_device(device)),
+                                device=check_device(opt.device_name(device))),
             canary=canary_config(opt.canary_options(policy, real_kv, sweep_interval, sweep_budget,
                                                 stats_period=stats_period)),
             admin=AdminConfig(token=admin_token, enable_faults=enable_faults),

@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from kvcanary.cli import options as opt
 from kvcanary.cli._app import app, console, options_checked, progress_bar, setup_logging
-from kvcanary.runs.setup import SoakOptions
-from kvcanary.runs.soak import MECHANISMS, SoakReport
-from kvcanary.runs.soak import soak as run_soak
 
-SOAK = SoakOptions()  # the defaults of every option below
+if TYPE_CHECKING:
+    from kvcanary.runs.soak import SoakReport
+
+SOAK = opt.SOAK  # the defaults of every option below
 
 
 @app.command(help="Run the reference engine clean for --tokens generated tokens with prefix sharing, eviction, "
@@ -25,13 +25,13 @@ SOAK = SoakOptions()  # the defaults of every option below
                   "when a mechanism never ran, a violation was reported or the watchdog fired.")
 def soak(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Generated tokens to run for (the default takes "
-                                        "about a minute on two CPU cores).")] = SOAK.tokens,
+                                        "about a minute on two CPU cores).")] = opt.SOAK_TOKENS,
     seed: opt.Seed = SOAK.seed,
-    model: opt.Model = SOAK.model,
-    device: opt.Device = SOAK.device,
-    real_kv: opt.RealKv = opt.MODE_NAMES[SOAK.canary.real_kv],
+    model: opt.Model = SOAK.model.value,
+    device: opt.Device = SOAK.device.value,
+    real_kv: opt.RealKv = SOAK.real_kv.value,
     sweep_interval: Annotated[int, typer.Option("--sweep-interval", min=1, help="Steps between sweeps of idle "
-                                                "prefix-cache slots.")] = SOAK.canary.sweep_interval,
+                                                "prefix-cache slots.")] = SOAK.sweep_interval,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     threads: opt.Threads = None,
     verbose: opt.Verbose = False,
@@ -39,10 +39,12 @@ def soak(
     """A clean soak: mechanism counts on stdout, JSON with ``--json``."""
     opt.set_threads(threads, model)
     setup_logging(logging.WARNING if verbose else logging.ERROR)
-    c = SOAK.canary
+    from kvcanary.runs.setup import SoakOptions
+    from kvcanary.runs.soak import soak as run_soak
+
     with options_checked():
-        options = SoakOptions(tokens=tokens, seed=seed, model=model, device=device,
-                              canary=opt.canary_options(c.policy, real_kv, sweep_interval, c.sweep_budget))
+        options = SoakOptions(tokens=tokens, seed=seed, model=opt.model_preset(model), device=opt.device_name(device),
+                              canary=opt.canary_options(SOAK.policy, real_kv, sweep_interval, SOAK.sweep_budget))
         with progress_bar() as progress:
             task = progress.add_task("generated tokens", total=tokens)
             result = run_soak(options, lambda n: progress.update(task, completed=min(n, tokens)))
@@ -59,6 +61,8 @@ def soak(
 
 
 def _print_soak(result: SoakReport, tokens: int) -> None:
+    from kvcanary.runs.soak import MECHANISMS
+
     c = result.canary
     n = result.counts
     table = Table(title=f"kv-canary soak: {n.generated_tokens} tokens ({tokens} asked), {n.requests} "

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -88,6 +90,9 @@ def usable() -> bool:
             _usable = False
         else:
             try:
+                if _cache_is_cold():  # the first run would otherwise sit silent while numba compiles
+                    print("kv-canary: compiling the CPU kernels once for this install (about 15 s)", file=sys.stderr,
+                          flush=True)
                 for name in _k.KERNELS:
                     kernel(name)
                 _warm_dispatch()
@@ -97,6 +102,18 @@ def usable() -> bool:
                             type(exc).__name__, exc)
                 _usable = False
     return _usable
+
+
+def _cache_is_cold() -> bool:
+    """Whether numba's on-disk cache lacks a kernel (no index, or one older than the source)."""
+    try:
+        from numba.core.caching import FunctionCache
+
+        indexes = [FunctionCache(getattr(_k, py))._cache_file._index_path for py, _ in _k.KERNELS.values()]
+    except Exception:  # numba's cache layout is not public API: no notice rather than no kernels
+        return False
+    source = os.path.getmtime(_k.__file__)
+    return any(not os.path.exists(p) or os.path.getmtime(p) < source for p in indexes)
 
 
 def _warm_dispatch() -> None:
