@@ -35,6 +35,7 @@ from kvcanary.adapters.vllm.metrics import CanaryPromMetrics
 from kvcanary.adapters.vllm.scheduler_side import SchedulerSide
 from kvcanary.adapters.vllm.settings import AdapterSettings
 from kvcanary.adapters.vllm.worker_side import WorkerSide
+from kvcanary.errors import ConfigError
 
 log = logging.getLogger("kvcanary")
 
@@ -45,13 +46,17 @@ class KVCanaryConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.settings = AdapterSettings.from_extra_config(extra)
         check_config(vllm_config, kv_cache_config, self.settings, force=bool(extra.get("force", False)))
-        specs = group_specs(kv_cache_config)
+        specs = group_specs(kv_cache_config) if kv_cache_config is not None else []
         max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.settings, [s.block_size for s in specs], max_num_seqs)
+            block_sizes = [s.block_size for s in specs] or [vllm_config.cache_config.block_size]
+            self.scheduler_side = SchedulerSide(self.settings, block_sizes, max_num_seqs)
         else:
+            if not specs:
+                raise ConfigError("kv-canary: the worker's connector needs vLLM's KV cache config (vLLM 0.32 passes "
+                                  "it to every connector)")
             self.worker_side = WorkerSide(self.settings, specs, layout_of(vllm_config, kv_cache_config),
                                           vllm_config.model_config.max_model_len, max_num_seqs)
             hook.install(self.worker_side)
