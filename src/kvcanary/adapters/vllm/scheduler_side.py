@@ -14,6 +14,7 @@ the cached runs a sweep verifies (at most ``sweep_budget_bytes`` worth of slots)
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
@@ -39,6 +40,7 @@ class SchedulerSide:
         self.kv_cache_manager = None
         self.quarantined = 0
         self.unreported = 0  # quarantined blocks not yet in the Prometheus counters
+        self.host_seconds = 0.0  # wall time spent building step messages
         self.prefix_hits = 0  # requests whose first forward read prefix-cache blocks
         self.preemptions = 0
 
@@ -65,6 +67,12 @@ class SchedulerSide:
 
     def build(self, so) -> StepMessage:
         """The message of the step ``so`` (a SchedulerOutput) schedules."""
+        start = time.perf_counter()
+        msg = self._build(so)
+        self.host_seconds += time.perf_counter() - start
+        return msg
+
+    def _build(self, so) -> StepMessage:
         self.step += 1
         for rid in so.finished_req_ids:
             self._release(rid)

@@ -21,9 +21,11 @@ truth is sent as appends (a request's history once, then its new tokens).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcanary import Canary, ForwardBatch, PoolGeometry, PoolKind, Reason, SweepRun
@@ -38,7 +40,6 @@ from kvcanary.adapters.vllm.layouts import (
 )
 from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
 from kvcanary.adapters.vllm.settings import AdapterSettings
-from kvcanary.ops import offsets_from_lengths
 
 log = logging.getLogger("kvcanary")
 
@@ -98,48 +99,45 @@ class GroupCanary:
         window = max(spec.window - 1, 0)
         self.canary = Canary(config, PoolGeometry(self.num_slots, rows, self.max_ctx, str(device)), sources=sources,
                              pool=PoolKind.SWA if window else PoolKind.FULL, window=window)
+        # the page table the canary reads, and the adapter's host mirrors (numpy: a step's host work is
+        # dozens of tiny array operations, each a few µs cheaper than torch's)
         self.req_to_token = torch.zeros(rows, self.max_ctx, dtype=torch.int32, device=device)
-        # each row's token ids as the scheduler sent them (host): which reader a mismatch was read by
-        self.tokens = torch.full((rows, self.max_ctx), -1, dtype=torch.int64)
-        self.blocks = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+        self.table = self.req_to_token.numpy() if device.type == "cpu" else None
+        self.blocks = np.zeros((rows, self.max_blocks), dtype=np.int32)  # block ids the table was expanded from
+        self.tokens = np.full((rows, self.max_ctx), -1, dtype=np.int64)  # each row's token ids, as sent
         self.lut = torch.arange(self.num_slots, dtype=torch.int64, device=device) if window else None
-        self.offsets = torch.arange(bs, dtype=torch.int32, device=device)
-
-    def slots_at(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        """The slots the row's block mirror gives ``positions``."""
-        bs = self.spec.block_size
-        blocks = self.blocks[row, positions // bs]
-        slots = blocks * bs + (positions % bs).to(torch.int32)
-        return torch.where(blocks == 0, torch.zeros_like(slots), slots) if self.spec.window else slots
+        self.offsets = np.arange(bs, dtype=np.int32)
 
     def slots_of_blocks(self, blocks) -> torch.Tensor:
-        b = torch.as_tensor(blocks, dtype=torch.int64, device=self.offsets.device)
-        return (b[:, None] * self.spec.block_size + self.offsets[None, :]).reshape(-1)
+        b = np.asarray(blocks, dtype=np.int64)
+        return torch.from_numpy((b[:, None] * self.spec.block_size + self.offsets[None, :]).reshape(-1))
 
-    def sync_rows(self, rows: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def sync_rows(self, rows: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
         """Expand the batch's block-table entries that changed since the rows' last forward.
 
         Entries past a request's blocks are left as they are (never read). A sliding-window group's
-        null block (id 0: out of the window) maps to slot 0, which is never verified."""
+        null block (id 0: out of the window) maps to slot 0, which HEAD names as a bad entry."""
         bs = self.spec.block_size
         num_blocks = (seq_lens + bs - 1) // bs
         width = min(int(num_blocks.max()), self.max_blocks, block_table.shape[1])
         if width <= 0:
             return
-        cur = block_table[:, :width].to(torch.int32)
-        old = self.blocks[rows, :width]
-        live = torch.arange(width, device=cur.device)[None, :] < num_blocks[:, None]
-        changed = (cur != old) & live
-        if not bool(changed.any()):
+        cur = block_table[:, :width]
+        changed = (cur != self.blocks[rows, :width]) & (np.arange(width)[None, :] < num_blocks[:, None])
+        i, j = np.nonzero(changed)
+        if not len(i):
             return
-        i, j = changed.nonzero(as_tuple=True)
-        ids = cur[i, j]
+        ids = cur[i, j].astype(np.int32)
         self.blocks[rows[i], j] = ids
         slots = ids[:, None] * bs + self.offsets[None, :]
         if self.spec.window:
-            slots = torch.where(ids[:, None] == 0, torch.zeros_like(slots), slots)
-        cols = j[:, None] * bs + self.offsets[None, :].long()
-        self.req_to_token[rows[i][:, None], cols] = slots
+            slots[ids == 0] = 0
+        cols = j[:, None] * bs + self.offsets[None, :]
+        if self.table is not None:
+            self.table[rows[i][:, None], cols] = slots
+        else:
+            self.req_to_token[torch.from_numpy(rows[i][:, None]), torch.from_numpy(cols)] = \
+                torch.from_numpy(slots).to(self.req_to_token.device)
 
 
 class WorkerSide:
@@ -160,6 +158,7 @@ class WorkerSide:
         self.invalid_blocks: set[int] = set()
         self.violations = []  # every violation this worker reported, in order
         self.counts: Counter = Counter()  # CanaryStats increments since the last read
+        self.host_seconds = 0.0  # wall time of the checked forwards outside the model (the canary's host cost)
         # per KV cache group: request id -> its block list as the scheduler handed it out
         self.request_blocks: list[dict[str, list[int]]] = [{} for _ in groups]
         # fn(point, view) at "head" (before HEAD), "model" (after HEAD, before the model), "tail" (before TAIL)
@@ -206,6 +205,7 @@ class WorkerSide:
             return self._checked_forward(runner, forward, kwargs, msg, get_forward_context().attn_metadata)
 
     def _checked_forward(self, runner, forward, kwargs: dict, msg: StepMessage, attn: dict):
+        start = time.perf_counter()
         self.step = msg.step
         num_reqs = runner.input_batch.num_reqs
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
@@ -219,14 +219,17 @@ class WorkerSide:
                 g.canary.head(b)
         for hook in self.hooks:
             hook("model", view)
+        model_start = time.perf_counter()
         with torch.inference_mode():
             out = forward(**kwargs)
+        model_seconds = time.perf_counter() - model_start
         for hook in self.hooks:
             hook("tail", view)
         for g, batches in zip(self.groups, waves, strict=True):
             for b in batches:
                 g.canary.tail(b)
         self._after(msg, waves)
+        self.host_seconds += time.perf_counter() - start - model_seconds
         return out
 
     def _before_head(self, msg: StepMessage) -> None:
@@ -259,14 +262,19 @@ class WorkerSide:
         HEADs stamped, and its TAIL runs after theirs recorded the fingerprints."""
         md = view.attn_metadata[g.layer_names[0]]
         n = len(view.req_ids)
-        qsl = md.query_start_loc[: n + 1].to(torch.int64)
-        seq = md.seq_lens[:n].to(torch.int64)
+        qsl = _host(md.query_start_loc)[: n + 1].astype(np.int64)
+        seq = _host(md.seq_lens)[:n].astype(np.int64)
         extend = qsl[1:] - qsl[:-1]
-        rows = torch.tensor([msg.requests[rid][0] for rid in view.req_ids], dtype=torch.int64)
-        g.sync_rows(rows, md.block_table[:n], seq)
-        parts = _Parts(rows, seq - extend, extend, qsl, md.slot_mapping[: int(qsl[-1])].to(torch.int64))
+        requests = [msg.requests[rid] for rid in view.req_ids]
+        rows = np.fromiter((r[0] for r in requests), dtype=np.int64, count=n)
+        g.sync_rows(rows, _host(md.block_table)[:n], seq)
+        num_tokens = int(qsl[-1])
+        parts = _Parts(rows, seq - extend, extend, qsl, md.slot_mapping[:num_tokens].to(torch.int64),
+                       view.input_ids[:num_tokens].to(torch.int64), view.positions[:num_tokens].to(torch.int64))
+        for (row, start, tokens) in requests:
+            g.tokens[row, start: start + len(tokens)] = tokens
         # only a request's first forward (truth from 0) can hit blocks written in the same forward
-        waiting = [r for r in range(n) if msg.requests[view.req_ids[r]][1] == 0 and int(parts.prefix[r]) > 0]
+        waiting = [r for r in range(n) if requests[r][1] == 0 and parts.prefix[r] > 0]
         waiting = [r for r in waiting if self._reads_writes_of(g, parts, r, range(n))]
         if not waiting:
             return [self._batch(g, view, msg, parts, None)]
@@ -290,29 +298,26 @@ class WorkerSide:
     def _batch(self, g: GroupCanary, view: StepView, msg: StepMessage, parts: _Parts,
                idx: list[int] | None) -> ForwardBatch:
         """The ForwardBatch of the requests ``idx`` (None: every request, in vLLM's batch order)."""
-        num_tokens = int(parts.qsl[-1])
-        input_ids = view.input_ids[:num_tokens].to(torch.int64)
-        positions = view.positions[:num_tokens].to(torch.int64)
-        rows, prefix, extend, slots, req_ids = parts.rows, parts.prefix, parts.extend, parts.slots, view.req_ids
+        rows, prefix, extend = parts.rows, parts.prefix, parts.extend
+        input_ids, positions, slots, req_ids = parts.input_ids, parts.positions, parts.slots, view.req_ids
         if idx is not None:
-            take = torch.cat([torch.arange(int(parts.qsl[r]), int(parts.qsl[r + 1])) for r in idx])
+            take = torch.from_numpy(np.concatenate([np.arange(parts.qsl[r], parts.qsl[r + 1]) for r in idx]))
             input_ids, positions, slots = input_ids[take], positions[take], slots[take]
-            sel = torch.tensor(idx, dtype=torch.int64)
-            rows, prefix, extend = rows[sel], prefix[sel], extend[sel]
+            rows, prefix, extend = rows[idx], prefix[idx], extend[idx]
             req_ids = [req_ids[r] for r in idx]
-        starts, truth, lengths = [], [], []
+        starts, truth, offsets = [], [], [0]
         for rid in req_ids:
-            row, start, tokens = msg.requests[rid]
-            g.tokens[row, start: start + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            _, start, tokens = msg.requests[rid]
             starts.append(start)
             truth.extend(tokens)
-            lengths.append(len(tokens))
+            offsets.append(len(truth))
+        i64 = torch.int64
         return ForwardBatch(
-            req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, req_to_token=g.req_to_token,
-            input_ids=input_ids, positions=positions, out_cache_loc=slots,
-            truth_ids=torch.tensor(truth, dtype=torch.int64),
-            truth_offsets=offsets_from_lengths(torch.tensor(lengths, dtype=torch.int64)),
-            truth_starts=torch.tensor(starts, dtype=torch.int64), request_ids=tuple(req_ids), slot_lut=g.lut)
+            req_pool_indices=torch.from_numpy(rows), prefix_lens=torch.from_numpy(prefix),
+            extend_lens=torch.from_numpy(extend), req_to_token=g.req_to_token, input_ids=input_ids,
+            positions=positions, out_cache_loc=slots, truth_ids=torch.tensor(truth, dtype=i64),
+            truth_offsets=torch.tensor(offsets, dtype=i64), truth_starts=torch.tensor(starts, dtype=i64),
+            request_ids=tuple(req_ids), slot_lut=g.lut)
 
     # --- after the forward ----------------------------------------------------------------------
 
@@ -353,7 +358,7 @@ class WorkerSide:
                 continue  # a sweep's "cache", or a request not in this forward
             if v.reasons & identity and not v.reasons & ~(identity | Reason.CHAIN):
                 row = msg.requests[rid][0]
-                same_token = int(g.tokens[row, position]) == v.token if position < g.max_ctx else False
+                same_token = position < g.max_ctx and int(g.tokens[row, position]) == v.token
                 if same_token and position == v.position:
                     continue
             out.append((rid, position))
@@ -405,10 +410,17 @@ class WorkerSide:
 
 @dataclass(frozen=True)
 class _Parts:
-    """A forward's per-request tensors, in vLLM's batch order."""
+    """A forward's per-request arrays (host) and per-token tensors, in vLLM's batch order."""
 
-    rows: torch.Tensor
-    prefix: torch.Tensor
-    extend: torch.Tensor
-    qsl: torch.Tensor
+    rows: np.ndarray
+    prefix: np.ndarray
+    extend: np.ndarray
+    qsl: np.ndarray
     slots: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host view of a small per-request tensor (a copy where it lives on a device)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
