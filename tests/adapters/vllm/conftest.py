@@ -24,3 +24,11 @@ def tiny_llama(tmp_path_factory):
     from .tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory):
+    """Every layer a 64-token sliding window: vLLM keeps one sliding-window KV cache group."""
+    from .tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-mistral", sliding_window=64)

@@ -301,3 +301,31 @@ def counters(e: Engine) -> dict:
     return {"forwards": sum(g.canary.totals.forwards for g in w.groups), "groups": len(w.groups),
             "coverage": [(g.coverage[0].name, [h.name for h in g.coverage[1]]) for g in w.groups],
             "quarantined": e.scheduler_side.quarantined}
+
+
+def window_flip(e: Engine, fault: bool = True) -> dict:
+    """A sliding-window model: a bit flipped in a covered value of a slot inside the window of a
+    decoding request (20 positions back), before the forward that reads it."""
+    e.reset()
+    fired = {}
+    value = e.kv_value_view(0)
+
+    def hook(point, view):
+        md = view.attn_metadata[e.worker.groups[0].layer_names[0]]
+        if point != "head" or fired:
+            return
+        for i in range(len(view.req_ids)):
+            seq = int(md.seq_lens[i])
+            if int(md.query_start_loc[i + 1] - md.query_start_loc[i]) == 1 and seq > 160:
+                position = seq - 20
+                block = int(md.block_table[i, position // BLOCK])
+                fired.update(request=view.req_ids[i], slot=block * BLOCK + position % BLOCK, position=position,
+                             step=view.step, window=e.worker.groups[0].spec.window)
+                if fault:
+                    word = value[block, position % BLOCK, 0, 1:2].view(torch.int32)
+                    word ^= 1 << 20
+                return
+
+    e.worker.hooks.append(hook)
+    outputs = e.drive([(0, e.unique("a"), prompt(12, 30), 60), (0, e.unique("b"), prompt(12, 30) + " b", 60)])
+    return _result(e, outputs, fired=fired)

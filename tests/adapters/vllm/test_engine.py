@@ -151,3 +151,20 @@ def test_raise_fails_the_readers_and_serves_the_rest(engines):
     other = "b" if victim == "a" else "a"
     assert repointed["outputs"][victim]["finish_reason"] == "error"
     assert repointed["outputs"][other] == repoint_clean["outputs"][other]  # its block was read, not damaged
+
+
+def test_sliding_window_model_is_covered_over_its_window(tiny_mistral):
+    """vLLM keeps a model whose every layer slides as one sliding-window group; the canary verifies
+    each forward's window (blocks out of it are freed and handed out again) and finds a flip in it."""
+    remote = Remote(tiny_mistral, "log")
+    try:
+        clean = remote.call("window_flip", fault=False)
+        run = remote.call("window_flip")
+    finally:
+        remote.close()
+    assert clean["violations"] == [] and clean["fired"]["window"] == 64
+    fired = run["fired"]
+    first = run["violations"][0]
+    assert (first["point"], first["pool"], first["reasons"], first["slot"], first["position"], first["step"]) == \
+        ("TAIL", "SWA", ["fingerprint"], fired["slot"], fired["position"], fired["step"])
+    assert fired["request"] in first["requests"]

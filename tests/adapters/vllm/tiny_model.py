@@ -18,11 +18,13 @@ CORPUS = [
 
 
 def make_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, kv_heads: int = 2, heads: int = 4,
-                    vocab: int = 512, max_positions: int = 2048, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write the model and tokenizer under ``path`` (once; a second call reuses them)."""
+                    vocab: int = 512, max_positions: int = 2048, seed: int = 0, dtype: str = "float32",
+                    sliding_window: int = 0) -> Path:
+    """Write the model and tokenizer under ``path`` (once; a second call reuses them). With
+    ``sliding_window``, a Mistral-style model whose every layer attends to that many tokens."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
@@ -37,11 +39,14 @@ def make_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, kv_
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
     tok.save_pretrained(path)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=hidden // heads, max_position_embeddings=max_positions,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                 max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    if sliding_window:
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=sliding_window))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg["torch_dtype"] = dtype
