@@ -128,7 +128,7 @@ class Engine:
         """Abort a waiting or running request, freeing all it holds (``on_free``). False if it had
         already finished or been aborted."""
         req = self._get(request_id)
-        if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+        if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED):
             return False
         own = req.slots[req.num_prefix_cached : req.num_cached]
         if Bug.ABORT_INFLIGHT_WRITE in self.zoo and req.status is RequestStatus.RUNNING and own.numel():
@@ -203,8 +203,8 @@ class Engine:
         if not early:  # (tokens sampled now wait ``lag`` steps: nothing more is due this step)
             self.delivery.advance(self.step_index)
         self.stats.num_steps += 1
-        self.hooks.after_step(self.step_index)
         self.step_index += 1
+        self.hooks.after_step(self.step_index - 1)  # last: under raise it may raise, the step done
         return StepResult(
             step_index=self.step_index - 1,
             request_ids=batch.request_ids,
@@ -358,6 +358,38 @@ class Engine:
         self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return [r.request_id for r in affected]
 
+    def fail(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
+             since_step: int) -> list[int]:
+        """The raise policy's answer to damage: quarantine ``bad_slots`` (as ``recompute`` does)
+        and end with status FAILED the named requests, any running request whose slots include a
+        bad one, and, with reports one step late, those that read a bad slot at ``since_step`` or
+        later (``delivery.holding``); a named request that finished since fails too unless all its
+        outputs were delivered. Their outputs sampled at ``since_step`` or later are dropped
+        (never delivered); the rest of the engine goes on. Ids the engine no longer knows are
+        skipped. Safe to call from ``after_forward``: failed requests produce nothing in the
+        current step. Returns the ids failed, in order."""
+        bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
+        if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
+            raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
+        bad = bad[bad >= self.config.page_size]  # page 0 is reserved and never handed out
+        bad_set = set(bad.tolist())
+        named = {i for i in request_ids if i in self.requests} | self.delivery.holding(bad_set, since_step)
+        named |= {r.request_id for r in self.scheduler.running if bad_set & set(r.slots.tolist())}
+        failed = []
+        for rid in sorted(named):
+            req = self.requests[rid]
+            if req.status in (RequestStatus.ABORTED, RequestStatus.FAILED):
+                continue
+            if req.status is RequestStatus.FINISHED and self.delivery.count(rid) == len(req.output_ids):
+                continue  # delivered whole before the damage: nothing of it is wrong
+            self.scheduler.abort(req)  # releases what it holds (nothing once finished)
+            req.status = RequestStatus.FAILED
+            req.drop_outputs_since(since_step)
+            self.delivery.dropped(req)
+            failed.append(rid)
+        self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
+        return failed
+
     def check_integrity(self) -> None:
         """Assert every host-side invariant: slot, row and host-row conservation, prefix-cache
         locks and placement, page tables vs slot records, request states."""
@@ -371,7 +403,8 @@ class Engine:
             )
         listed = {id(r) for r in running} | {id(r) for r in waiting}
         for r in self.requests.values():
-            assert id(r) in listed or r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED), (
+            assert id(r) in listed or r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED,
+                                                   RequestStatus.FAILED), (
                 f"request {r.request_id} ({r.status.name}) is in no queue"
             )
         self.cache.check_integrity(list(self.requests.values()))

@@ -35,6 +35,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # retracted: holds nothing, waits to re-prefill its whole history
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # read damaged K/V under the raise policy: ended with an error (``Engine.fail``)
 
 
 @dataclass(eq=False)
