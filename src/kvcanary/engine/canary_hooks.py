@@ -8,9 +8,10 @@ in ``after_forward``, so on the CPU a violation is known before the step samples
 recompute policy the affected requests are retracted there and produce no token from the
 corrupted forward. Under the raise policy the requests that read the damage fail there instead
 (``Engine.fail``: status FAILED, slots quarantined), the step completes for the others, and
-``after_step`` raises the ``CanaryViolation`` naming them; the engine stays usable. After a replayed forward's launch, the step before a sweep, ``after_forward``
-also builds the sweep's runs (``Canary.prefetch_sweep``): the host waits for the replay there
-anyway. Offload and load-back move the records with the K/V rows.
+``after_step`` raises the ``CanaryViolation`` naming them; the engine stays usable. After a
+replayed forward's launch, the step before a sweep, ``after_forward`` also builds the sweep's
+runs (``Canary.prefetch_sweep``): the host waits for the replay there anyway. Offload and
+load-back move the records with the K/V rows.
 
 A model with sliding-window layers gets a second Canary for the window pool
 (``PoolKind.SWA``, its window): it reads the batch through the pool's full-slot -> window-slot

@@ -12,17 +12,23 @@ talks to it through commands and awaits ``Generation`` handles.
 So a route never holds a thread while a generation runs, and an admin read waits at most one
 step. A disconnected or timed-out client's requests are aborted in the engine (``abort``).
 
-Under the raise policy (or when the watchdog fires under raise or recompute) the step that found
-the problem raises; the engine stops stepping, every waiting generation fails with 503 and the
-admin routes keep answering, so the incident can be inspected. Shutdown drains: new requests are
-refused (503), in-flight ones run for ``ServeLimits.drain_s``, then the rest are aborted with a
-clean 503.
+Under the raise policy the requests that read damaged K/V fail (500 naming the violation's
+reasons and launch points, never cached content; a stream ends with an error event) and the
+engine goes on serving the rest (``OnViolation.FAIL_REQUESTS``, the default). With
+``OnViolation.STOP``, or when the watchdog fires under raise or recompute, or on an unexpected
+engine error, the engine stops stepping: every waiting generation fails with 503, later requests
+too, ``/health`` answers 503, and the admin routes keep answering, so the incident can be
+inspected. What a caller without the admin token sees of a failure or a stop names no token id,
+chain, prompt or engine request id; the log has the full violation line. Shutdown drains: new
+requests are refused (503), in-flight ones run for ``ServeLimits.drain_s``, then the rest are
+aborted with a clean 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import inspect
 import logging
 import threading
@@ -34,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvcanary.config import CanaryConfig
+from kvcanary.config import CanaryConfig, Policy
+from kvcanary.core.record import Reason
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
@@ -78,10 +85,18 @@ class ServeLimits:
                 raise ValueError(f"ServeLimits.{name} must be > 0, got {value!r}")
 
 
+class OnViolation(enum.Enum):
+    """What the served engine does when the raise policy finds damage."""
+
+    FAIL_REQUESTS = "fail-requests"  # the requests that read it end with an error; the rest are served
+    STOP = "stop"  # fail-stop: the engine stops stepping; every request gets 503 until a restart
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """The served engine: model, engine and canary configs, admin and access options, limits,
-    and the model name clients send."""
+    the model name clients send, and what a violation under the raise policy does
+    (``on_violation``; ``STOP`` needs the raise policy)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_slots=2048, max_ctx=512,
@@ -91,10 +106,19 @@ class ServeConfig:
     access: AccessConfig = field(default_factory=AccessConfig)
     limits: ServeLimits = field(default_factory=ServeLimits)
     model_name: str = "kv-canary-reference"
+    on_violation: OnViolation = OnViolation.FAIL_REQUESTS
 
     def __post_init__(self):
         if not self.model_name:
             raise ValueError("ServeConfig.model_name must be a non-empty string, got ''")
+        if not isinstance(self.on_violation, OnViolation):
+            choices = ", ".join(repr(o.value) for o in OnViolation)
+            if self.on_violation not in {o.value for o in OnViolation}:
+                raise ValueError(f"ServeConfig.on_violation must be one of {choices}, got {self.on_violation!r}")
+            object.__setattr__(self, "on_violation", OnViolation(self.on_violation))
+        if self.on_violation is OnViolation.STOP and self.canary.policy is not Policy.RAISE:
+            raise ValueError(f"ServeConfig.on_violation 'stop' acts under the raise policy only, got policy "
+                             f"{self.canary.policy.value!r}; pass policy 'raise' (--policy raise) or drop it")
 
 
 class Generation:
@@ -266,13 +290,26 @@ class EngineService(AdminTarget):
             else:  # idle with tokens held back: read the last reports (a recovery may re-queue requests)
                 self.hooks.flush(self.engine.step_index, keep=True)
                 touched = dict.fromkeys(self.live)
-        except (CanaryViolation, WatchdogTimeout) as e:
-            self.admin.log.add(getattr(e, "violations", []), self.names)  # first: kept before clients hear
-            self._stopped(str(e))
+        except CanaryViolation as e:  # raised at the end of a completed step: its readers failed
+            self.admin.log.add(e.violations, self.names)  # first: kept before clients hear
+            if self.config.on_violation is OnViolation.STOP:
+                self._stopped(f"a KV-cache violation ({violation_summary(e.violations)}) under the raise policy "
+                              "with on_violation 'stop'")
+                log.error("kv_canary server: engine stopped (on_violation stop): %s", e)
+                return
+            log.error("kv_canary server: %d request(s) failed: %s", len(e.request_ids), e)
+            for rid in e.request_ids:
+                gen = self.live.get(rid)
+                if gen is not None:
+                    self._release(gen, "failed")
+                    gen._fail(ApiError(500, failure_message(e.violations, rid)))
+            touched = dict.fromkeys(self.live)
+        except WatchdogTimeout as e:
+            self._stopped("the canary's watchdog fired: its checks stopped running")
             log.error("kv_canary server: engine stopped: %s", e)
             return
         except Exception as e:  # the engine thread must not die silently
-            self._stopped(f"{type(e).__name__}: {e}")
+            self._stopped(f"an internal error ({type(e).__name__}); the server log has the details")
             log.exception("kv_canary server: engine stopped")
             return
         finally:
@@ -441,13 +478,33 @@ class EngineService(AdminTarget):
         known = [r for r in recovery.requests if r in self.engine.requests]
         self.engine.recompute(known, torch.tensor(recovery.slots, dtype=torch.int64), since_step=recovery.since_step)
 
-    def engine_status(self) -> dict:
+    def engine_status(self, reveal: bool = True) -> dict:
+        """The engine's state; without ``reveal`` the recent requests are counts and timings only
+        (no engine or client request ids)."""
         e = self.engine
+        recent = list(self.history)[-10:]
+        if not reveal:
+            recent = [{**r, "request": None, "client": None} for r in recent]
         return {"model": self.config.model_name, "step": e.step_index, "running": len(e.scheduler.running),
                 "waiting": len(e.scheduler.waiting), "free_slots": e.pool.num_free_slots,
                 "in_flight": len(self.live), "draining": self.draining, "stopped": self.error,
-                "known_requests": len(e.requests), "recent_requests": list(self.history)[-10:],
-                "stats": e.stats.as_dict()}
+                "on_violation": self.config.on_violation.value, "known_requests": len(e.requests),
+                "recent_requests": recent, "stats": e.stats.as_dict()}
+
+
+def violation_summary(violations: Sequence, request_id: int | None = None) -> str:
+    """``"fingerprint at TAIL; chain+position at HEAD"``: the reasons and launch points of
+    ``violations`` (those ``request_id`` read, when given), never cached content."""
+    if request_id is not None:
+        violations = [v for v in violations if request_id in v.requests] or violations
+    parts = dict.fromkeys(f"{'+'.join(Reason.names(v.reasons))} at {v.point.name}" for v in violations)
+    return "; ".join(parts) or "no violation row"
+
+
+def failure_message(violations: Sequence, request_id: int) -> str:
+    """The error a request failed under the raise policy ends with."""
+    return (f"the request read damaged KV-cache entries ({violation_summary(violations, request_id)}) and was "
+            "failed under the raise policy; no output computed from the damage was sent; retry it")
 
 
 _JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
