@@ -13,13 +13,15 @@ logs their acts.
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcanary.engine.cache_manager import CacheManager
-from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
 from kvcanary.engine.cuda_graph import DecodeGraphs
 from kvcanary.engine.delivery import Delivery
 from kvcanary.engine.forward_batch import build_forward_batch
@@ -29,7 +31,7 @@ from kvcanary.engine.model import TinyLlama
 from kvcanary.engine.pool import KVPool
 from kvcanary.engine.radix import RadixCache
 from kvcanary.engine.request import Request, RequestStatus
-from kvcanary.engine.sampler import Sampler
+from kvcanary.engine.sampler import Sampler, SamplingParams
 from kvcanary.engine.scheduler import Schedule, Scheduler
 from kvcanary.engine.stats import EngineStats
 from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
@@ -91,10 +93,13 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, request_id: int | None = None
+        self, prompt_ids: Sequence[int], max_new_tokens: int, request_id: int | None = None,
+        sampling: SamplingParams | None = None,
     ) -> int:
-        """Queue a request; returns its id. Raises ValueError for bad arguments and CapacityError
-        when it could never fit (``max_ctx`` or the pool)."""
+        """Queue a request; returns its id. ``sampling``: how it picks its tokens (None: greedy;
+        without a seed it gets a random one, kept, so a recompute redraws the same tokens; needs
+        the greedy sampler kind). Raises ValueError for bad arguments and CapacityError when it
+        could never fit (``max_ctx`` or the pool)."""
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model_config.vocab_size
         if not prompt or not all(0 <= t < vocab for t in prompt):
@@ -108,13 +113,21 @@ class Engine:
                 f"pool's {cfg.num_usable_slots} usable slots; shorten the request or raise "
                 "EngineConfig.max_ctx / num_slots"
             )
+        if sampling is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+            if self.config.sampler is not SamplerKind.GREEDY and not sampling.is_greedy:
+                raise ValueError(f"sampling with temperature {sampling.temperature} needs EngineConfig.sampler "
+                                 f"'greedy' (the {self.config.sampler.value} sampler ignores the logits)")
+            if sampling.seed is None:
+                sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id} is already in use; pass a new id or None")
-        req = Request(request_id, prompt, max_new_tokens)
+        req = Request(request_id, prompt, max_new_tokens, sampling=sampling)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -190,7 +203,8 @@ class Engine:
                 self.stats.num_prefill_tokens += n
         rows = [i for i, (req, n) in enumerate(plan) if req.num_cached + n == req.num_tokens + len(req.draft_ids)]
         reqs = [plan[i][0] for i in rows]
-        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs])
+        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs],
+                                     [r.sampling for r in reqs])
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         accepted = {r.request_id: self.sampler.accept_drafts(r.request_id, r.num_tokens, r.draft_ids)
                     for r in reqs if r.draft_ids}
