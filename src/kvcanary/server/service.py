@@ -28,97 +28,36 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import inspect
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import Reason
-from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
+from kvcanary.engine.sampler import SamplingParams
 from kvcanary.errors import CanaryViolation, KVCanaryError
 from kvcanary.faults import FAULTS, Fault
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import Canary, Recovery, WatchdogTimeout
 from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.sweep import SweepRun
-from kvcanary.server.access import AccessConfig
-from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin
+from kvcanary.server.admin import AdminTarget, CanaryAdmin
+from kvcanary.server.config import OnViolation, ServeConfig, ServeLimits
 from kvcanary.server.engine_metrics import EngineMetrics
 from kvcanary.server.errors import ApiError
+from kvcanary.server.tokenizer import TextOutput
+
+__all__ = ["EngineService", "Generation", "OnViolation", "ServeConfig", "ServeLimits"]
 
 log = logging.getLogger("kvcanary.server")
 _KEEP_REPORTS = 256  # step reports with violations kept by the canary hooks (the admin log keeps more)
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """``max_prompts``: prompts in one request; ``max_tokens``: the largest ``max_tokens``;
-    ``max_queued``: generations in the engine at once (429 beyond); ``request_timeout_s``: a
-    request's time limit (504, aborted); ``drain_s``: how long shutdown lets in-flight requests
-    finish; ``history``: finished requests kept for the admin routes."""
-
-    max_prompts: int = 16
-    max_tokens: int = 1024
-    max_queued: int = 1024
-    request_timeout_s: float = 120.0
-    drain_s: float = 5.0
-    history: int = 1024
-
-    def __post_init__(self):
-        for name in ("max_prompts", "max_tokens", "max_queued", "history"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"ServeLimits.{name} must be an int >= 1, got {value!r}")
-        for name in ("request_timeout_s", "drain_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServeLimits.{name} must be > 0, got {value!r}")
-
-
-class OnViolation(enum.Enum):
-    """What the served engine does when the raise policy finds damage."""
-
-    FAIL_REQUESTS = "fail-requests"  # the requests that read it end with an error; the rest are served
-    STOP = "stop"  # fail-stop: the engine stops stepping; every request gets 503 until a restart
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The served engine: model, engine and canary configs, admin and access options, limits,
-    the model name clients send, and what a violation under the raise policy does
-    (``on_violation``; ``STOP`` needs the raise policy)."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_slots=2048, max_ctx=512,
-                                                                      chunk_size=64, host_tier_slots=1024))
-    canary: CanaryConfig = field(default_factory=CanaryConfig)
-    admin: AdminConfig = field(default_factory=AdminConfig)
-    access: AccessConfig = field(default_factory=AccessConfig)
-    limits: ServeLimits = field(default_factory=ServeLimits)
-    model_name: str = "kv-canary-reference"
-    on_violation: OnViolation = OnViolation.FAIL_REQUESTS
-
-    def __post_init__(self):
-        if not self.model_name:
-            raise ValueError("ServeConfig.model_name must be a non-empty string, got ''")
-        if not isinstance(self.on_violation, OnViolation):
-            choices = ", ".join(repr(o.value) for o in OnViolation)
-            if self.on_violation not in {o.value for o in OnViolation}:
-                raise ValueError(f"ServeConfig.on_violation must be one of {choices}, got {self.on_violation!r}")
-            object.__setattr__(self, "on_violation", OnViolation(self.on_violation))
-        if self.on_violation is OnViolation.STOP and self.canary.policy is not Policy.RAISE:
-            raise ValueError(f"ServeConfig.on_violation 'stop' acts under the raise policy only, got policy "
-                             f"{self.canary.policy.value!r}; pass policy 'raise' (--policy raise) or drop it")
 
 
 class Generation:
@@ -128,11 +67,12 @@ class Generation:
     ``stream``, else only when it ends."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event, client_id: str, prompt_len: int,
-                 max_tokens: int, stream: bool = False):
+                 max_tokens: int, stream: bool = False, text: TextOutput | None = None):
         self.loop, self.changed, self.stream = loop, changed, stream
         self.client_id, self.prompt_len, self.max_tokens = client_id, prompt_len, max_tokens
         self.engine_id = -1
         self.tokens: list[int] = []
+        self.text = text  # its text, cut at a stop string (None: the route decodes ``tokens`` itself)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
         self.created = time.monotonic()
@@ -341,11 +281,24 @@ class EngineService(AdminTarget):
                     return
             if gen.first_token_at is None:
                 gen.first_token_at = time.monotonic()
-            gen.tokens.extend(out[n:])
-            self.metrics.generation_tokens.inc(len(out) - n)
+            new = out[n:]
+            if gen.text is not None and gen.text.stops:  # a token at a time: the one that completes a stop ends it
+                new = next((new[: i + 1] for i in range(len(new)) if gen.text.feed(new[i : i + 1])), new)
+            elif gen.text is not None:
+                gen.text.feed(new)
+            gen.tokens.extend(new)
+            self.metrics.generation_tokens.inc(len(new))
+            if gen.text is not None and gen.text.is_stopped:
+                if req.status is not RequestStatus.FINISHED:
+                    self.engine.abort(gen.engine_id)  # nothing more of it is wanted
+                self._release(gen, "finished", "stop")
+                gen._finish("stop")
+                return
             if gen.stream and req.status is not RequestStatus.FINISHED:
                 gen._notify()
         if req.status is RequestStatus.FINISHED and not gen._behind and len(out) == len(req.output_ids):
+            if gen.text is not None:
+                gen.text.finish()
             self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
             gen._finish("length")
 
@@ -355,7 +308,7 @@ class EngineService(AdminTarget):
         self._release(gen, "aborted")
         gen._fail(error)
 
-    def _release(self, gen: Generation, status: str) -> None:
+    def _release(self, gen: Generation, status: str, reason: str = "length") -> None:
         rid = gen.engine_id
         if self.live.pop(rid, None) is None:
             return
@@ -364,7 +317,7 @@ class EngineService(AdminTarget):
         if len(self._retired) == self._retired.maxlen:
             self.names.pop(self._retired[0], None)
         self._retired.append(rid)
-        self.metrics.finished(gen, status)
+        self.metrics.finished(gen, status, reason)
         ttft = None if gen.first_token_at is None else round(gen.first_token_at - gen.created, 6)
         self.history.append({"request": rid, "client": gen.client_id, "status": status,
                              "prompt_tokens": gen.prompt_len, "completion_tokens": len(gen.tokens),
@@ -384,14 +337,17 @@ class EngineService(AdminTarget):
     # --- requests ----------------------------------------------------------------------------------
 
     async def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int, client_ids: Sequence[str],
-                     stream: bool = False) -> list[Generation]:
+                     stream: bool = False, sampling: SamplingParams | None = None,
+                     texts: Sequence[TextOutput] | None = None) -> list[Generation]:
         """Queue ``prompts`` (token ids) for ``max_tokens`` each, named ``client_ids[i]`` in
-        violations and incidents; ``stream``: wake the route at every token. Raises ApiError:
-        400 for a request the engine refuses, 429 when the queue is full, 503 when the engine
-        stopped or the server drains."""
+        violations and incidents; ``stream``: wake the route at every token; ``sampling``: how
+        each picks its tokens (None: greedy); ``texts[i]``: prompt i's text output (its stop
+        strings end it). Raises ApiError: 400 for a request the engine refuses, 429 when the
+        queue is full, 503 when the engine stopped or the server drains."""
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
-        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream)
-                for p, cid in zip(prompts, client_ids, strict=True)]
+        texts = list(texts) if texts is not None else [None] * len(prompts)
+        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream, text)
+                for p, cid, text in zip(prompts, client_ids, texts, strict=True)]
 
         def add() -> None:
             if self.error is not None:
@@ -404,7 +360,8 @@ class EngineService(AdminTarget):
             added = []
             try:
                 for p, gen in zip(prompts, gens, strict=True):
-                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id)
+                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id,
+                                                            sampling=sampling)
                     self._next_id += 1  # never reused: names and history stay unambiguous
                     added.append(gen)
                     self.live[gen.engine_id] = gen
