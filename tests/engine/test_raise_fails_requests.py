@@ -73,3 +73,36 @@ def test_log_policy_keeps_serving_the_reader():
     engine.run_until_done()
     assert all(engine.requests[i].status is RequestStatus.FINISHED for i in ids)
     assert sum(len(r.violations) for r in hooks.reports) >= 1
+
+
+def test_damage_in_the_window_pool_fails_its_reader_and_both_pools_report():
+    """A hybrid model: the window pool's canary is read in the same step as the full pool's, and
+    its raise fails the reader as the full pool's does."""
+    from kvcanary.core.record import PoolKind
+    from kvcanary.engine.config import EngineConfig, ModelConfig
+    from kvcanary.engine.engine import Engine
+
+    model = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
+    config = EngineConfig(num_slots=384, max_rows=9, max_ctx=96, chunk_size=16, max_tokens_per_step=48,
+                          max_running=4, window_slots=72, enable_prefix_cache=False)
+    clean = Engine(model, config)
+    want = clean.generate(PROMPTS, MAX_NEW)
+    engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
+    ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
+    while min(len(engine.requests[i].output_ids) for i in ids) < 3:
+        engine.step()
+    victim = ids[0]
+    req = engine.requests[victim]
+    full = req.slots[req.num_cached - 2 : req.num_cached - 1]
+    window_slot = int(engine.pool.window.translate(full)[0])
+    assert window_slot > 0
+    flip_bit(engine, 0, Half.K, window_slot, 0, 1)  # layer 0 keeps its K/V in the window pool
+    with pytest.raises(CanaryViolation) as info:
+        engine.step()
+    assert info.value.request_ids == (victim,)
+    assert {v.tag.pool for v in info.value.violations} == {PoolKind.SWA}
+    assert hooks.canary.totals.steps == hooks.window_canary.totals.steps  # both pools read the step
+    engine.run_until_done()
+    engine.check_integrity()
+    assert engine.requests[victim].status is RequestStatus.FAILED
+    assert [engine.output_ids(i) for i in ids[1:]] == [want[i] for i in range(1, len(ids))]

@@ -204,7 +204,12 @@ class CanaryHooks(EngineHooks):
         """The raise policy's violations of ``report``: the requests that read the damage fail
         (``Engine.fail``), the damaged slots are quarantined; returns the error naming them."""
         vs = report.violations
-        slots = sorted({v.slot for v in vs if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY})
+        damaged = [v for v in vs if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY]
+        slots = {v.slot for v in damaged if v.tag.pool is not PoolKind.SWA}
+        window = [v.slot for v in damaged if v.tag.pool is PoolKind.SWA]
+        if window:  # the window pool's slots: the full slots that own them
+            slots.update(self.engine.pool.window.full_slots_of(window))
+        slots = sorted(slots)
         reqs = [r for r in dict.fromkeys(r for v in vs for r in v.requests) if isinstance(r, int)]
         failed = self.engine.fail(reqs, torch.tensor(slots, dtype=torch.int64), min(v.step for v in vs))
         names = ", ".join(map(str, failed)) or "none"
