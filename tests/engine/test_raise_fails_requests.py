@@ -106,3 +106,25 @@ def test_damage_in_the_window_pool_fails_its_reader_and_both_pools_report():
     engine.check_integrity()
     assert engine.requests[victim].status is RequestStatus.FAILED
     assert [engine.output_ids(i) for i in ids[1:]] == [want[i] for i in range(1, len(ids))]
+
+
+def test_fail_and_recompute_skip_requests_a_server_already_dropped():
+    """With reports a step late, ``delivery.holding`` remembers who read a slot; a server that
+    dropped such a request (its client left) must not make ``fail``/``recompute`` look it up."""
+    for act in ("fail", "recompute"):
+        engine = make_engine(enable_prefix_cache=False)
+        engine.delivery.lag = 1  # as on CUDA: a step's tokens wait for the next step's report
+        ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
+        for _ in range(4):
+            engine.step()
+        gone = ids[0]
+        slot = int(engine.requests[gone].slots[1])
+        engine.abort(gone)
+        engine.requests.pop(gone)
+        engine.delivery.forget(gone)
+        if act == "fail":
+            assert engine.fail([gone], [slot], since_step=engine.step_index - 1) == []
+        else:
+            assert gone not in engine.recompute([], [slot], since_step=engine.step_index - 1)
+        engine.run_until_done()
+        engine.check_integrity()

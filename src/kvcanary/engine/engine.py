@@ -343,7 +343,7 @@ class Engine:
         named = {self._get(i).request_id for i in request_ids}
         bad_set = set(bad.tolist())
         if since_step is not None:  # reports one step late: who read a bad slot since, not yet delivered
-            named |= self.delivery.holding(bad_set, since_step)
+            named |= {i for i in self.delivery.holding(bad_set, since_step) if i in self.requests}  # (still known)
         affected = [
             r for r in self.scheduler.running if r.request_id in named or bad_set & set(r.slots.tolist())
         ]
@@ -387,7 +387,8 @@ class Engine:
             raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
         bad = bad[bad >= self.config.page_size]  # page 0 is reserved and never handed out
         bad_set = set(bad.tolist())
-        named = {i for i in request_ids if i in self.requests} | self.delivery.holding(bad_set, since_step)
+        # a server drops the requests it is done with: ids it no longer knows are skipped
+        named = {i for i in (*request_ids, *self.delivery.holding(bad_set, since_step)) if i in self.requests}
         named |= {r.request_id for r in self.scheduler.running if bad_set & set(r.slots.tolist())}
         failed = []
         for rid in sorted(named):

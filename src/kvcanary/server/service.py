@@ -110,6 +110,7 @@ class EngineService(AdminTarget):
         engine, hooks, fault_hooks = attach_faults(lambda h: Engine(config.model, config.engine, h), config.canary,
                                                    ())
         self.engine, self.hooks, self.fault_hooks = engine, hooks, fault_hooks
+        engine.delivery.keep_log = False  # a server runs for months: nothing may grow with the tokens served
         super().__init__(hooks.canary, threading.RLock())
         self.limits = config.limits
         self.metrics = EngineMetrics(self)
@@ -314,6 +315,7 @@ class EngineService(AdminTarget):
             return
         gen.finished_at = gen.finished_at or time.monotonic()
         self.engine.requests.pop(rid, None)
+        self.engine.delivery.forget(rid)
         if len(self._retired) == self._retired.maxlen:
             self.names.pop(self._retired[0], None)
         self._retired.append(rid)
