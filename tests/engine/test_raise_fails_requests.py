@@ -31,9 +31,13 @@ def _fault_free() -> dict[int, list[int]]:
     return {i: engine.output_ids(i) for i in ids}
 
 
-def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on():
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "a-step-late"])
+def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on(late, as_on_cuda):
     want = _fault_free()
+    if late:  # reports read at the end of the next step, as on CUDA: the victim's last outputs wait
+        as_on_cuda()
     engine, hooks = _engine()
+    assert engine.delivery.lag == int(late)
     ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
     while min(len(engine.requests[i].output_ids) for i in ids) < 3:
         engine.step()
@@ -41,6 +45,9 @@ def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on():
     slot = int(engine.requests[victim].slots[5])
     flip_bit(engine, 0, Half.K, slot, 0, 1)  # inside the fingerprinted first 16 bytes of layer 0 K
     step = engine.step_index
+    if late:  # the damaged step runs clean-looking; its report comes with the next one
+        engine.step()
+        step += 1
     with pytest.raises(CanaryViolation) as info:
         engine.step()
     e = info.value

@@ -182,8 +182,8 @@ class CanaryHooks(EngineHooks):
             report, raised = self._merge_window(report, window), raised or raised_too
         if raised:  # raise policy: fail the requests that read the damage now; ``after_step`` raises
             self.failure = self._fail(report)
-        elif report.violations or report.alarms or report.recovery is not None:  # a clean step: nothing to handle
-            self._handle(report)
+        if self.failure is None and (report.violations or report.alarms or report.recovery is not None):
+            self._handle(report)  # (a clean step: nothing to handle)
         every = self._sweep_every
         if every and self.engine.replaying and (self.step + 1) % every == 0 and self.prefetch_sweeps:
             # the step before a sweep, its forward a replay still running on the device: the host waits
@@ -200,18 +200,23 @@ class CanaryHooks(EngineHooks):
             known = [r for r in rec.requests if r in self.engine.requests]
             self.engine.recompute(known, torch.tensor(rec.slots, dtype=torch.int64), since_step=rec.since_step)
 
-    def _fail(self, report: StepReport) -> CanaryViolation:
+    def _fail(self, report: StepReport) -> CanaryViolation | None:
         """The raise policy's violations of ``report``: the requests that read the damage fail
-        (``Engine.fail``), the damaged slots are quarantined; returns the error naming them."""
+        (``Engine.fail``), the damaged slots are quarantined; returns the error naming them, or
+        None when the report holds no news (damage already quarantined, read again by requests
+        already failed: with reports a step late, the step that failed them read it once more)."""
         vs = report.violations
         damaged = [v for v in vs if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY]
         slots = {v.slot for v in damaged if v.tag.pool is not PoolKind.SWA}
         window = [v.slot for v in damaged if v.tag.pool is PoolKind.SWA]
         if window:  # the window pool's slots: the full slots that own them
             slots.update(self.engine.pool.window.full_slots_of(window))
-        slots = sorted(slots)
+        pool = self.engine.pool
+        fresh = [s for s in slots if not pool.is_quarantined(s)]
         reqs = [r for r in dict.fromkeys(r for v in vs for r in v.requests) if isinstance(r, int)]
-        failed = self.engine.fail(reqs, torch.tensor(slots, dtype=torch.int64), min(v.step for v in vs))
+        failed = self.engine.fail(reqs, torch.tensor(sorted(slots), dtype=torch.int64), min(v.step for v in vs))
+        if not failed and not fresh and (slots or window):
+            return None
         names = ", ".join(map(str, failed)) or "none"
         return CanaryViolation(f"{len(vs)} KV-cache violation(s); failed requests: {names}; first: {vs[0].line()}",
                                vs, tuple(failed))
@@ -244,7 +249,7 @@ class CanaryHooks(EngineHooks):
             report, raised = self._merge_window(report, window), raised or raised_too
         failure = self._fail(report) if raised else None
         if failure is None:
-            self._handle(report, keep)  # its recovery re-queues what it names
+            self._handle(report, keep)  # its recovery re-queues what it names (raise: a re-detection is kept)
         self.engine.delivery.advance(step, flush=True)  # every step's report is in: the rest may go out
         if failure is not None:
             raise failure
