@@ -53,12 +53,16 @@ def _sse(lines: list[str]) -> list:
     return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "a-step-late"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_raise_fails_the_reader_and_serves_the_rest(stream):
+def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda):
     config = serve_config(Policy.RAISE)
     want = _fault_free(config)
+    if late:  # reports read a step late, as on CUDA: the victim's tokens of the damaged step are held back
+        as_on_cuda()
     with served(config) as (base, app):
         service = app.state.service
+        assert service.engine.delivery.lag == int(late)
 
         async def main():
             async with httpx.AsyncClient(base_url=base, timeout=60) as c:

@@ -51,8 +51,8 @@ def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
 
 
 class TextOutput:
-    """A generation's text as its tokens arrive, cut at the first of ``stops`` (OpenAI's ``stop``:
-    the text ends before it and does not include it).
+    """A generation's text as its tokens arrive, cut at the first of ``stops`` to appear (the one
+    whose match completes first; OpenAI's ``stop``: the text ends before it and leaves it out).
 
     ``view``: (text so far, how much of it may be streamed now). Once stopped the text ends before
     the stop string and all of it may go; before, a tail that could still begin a stop string is
@@ -84,8 +84,9 @@ class TextOutput:
         old = self.view[0]
         start = max(len(old) - self._hold, 0)  # a match ending in ``new`` starts here or later
         text = old + new
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        # the match that completes first (as if fed a character at a time), then the longer one
+        hits = [(i + len(s), i) for s in self.stops if (i := text.find(s, start)) >= 0]
         if hits:
-            text, self.is_stopped = text[: min(hits)], True
+            text, self.is_stopped = text[: min(hits)[1]], True
         done = final or self.is_stopped
         self.view = (text, len(text) if done else max(len(text) - self._hold, 0))
