@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 
 import httpx
@@ -55,7 +56,8 @@ def _sse(lines: list[str]) -> list:
 
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "a-step-late"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda):
+def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda, caplog):
+    caplog.set_level(logging.ERROR, logger="kvcanary.server")
     config = serve_config(Policy.RAISE)
     want = _fault_free(config)
     if late:  # reports read a step late, as on CUDA: the victim's tokens of the damaged step are held back
@@ -92,6 +94,8 @@ def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda):
         assert error["code"] == 500 and error["type"] == "server_error"
         assert "fingerprint at TAIL" in error["message"] and "raise policy" in error["message"]
         assert gen.engine_id not in service.engine.requests and gen.engine_id not in service.live
+        lines = [r.getMessage() for r in caplog.records if "failed under the raise policy" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("kv_canary server: request(s) victim failed"), lines
         assert service.history[-2]["status"] == "failed" or service.history[-1]["status"] == "failed"
         health = httpx.get(f"{base}/health")
         assert (health.status_code, health.json()) == (200, {"status": "ok"})

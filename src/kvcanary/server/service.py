@@ -238,7 +238,8 @@ class EngineService(AdminTarget):
                               "with on_violation 'stop'")
                 log.error("kv_canary server: engine stopped (on_violation stop): %s", e)
                 return
-            log.error("kv_canary server: %d request(s) failed: %s", len(e.request_ids), e)
+            log.error("kv_canary server: request(s) %s failed under the raise policy: %s",
+                      ", ".join(str(self.names.get(r, r)) for r in e.request_ids) or "none", e)
             for rid in e.request_ids:
                 gen = self.live.get(rid)
                 if gen is not None:
