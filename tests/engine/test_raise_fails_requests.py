@@ -6,6 +6,7 @@ of a fault-free run."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import Half, LaunchPoint, Reason
@@ -20,23 +21,30 @@ PROMPTS = random_prompts(31, 3, min_len=20, max_len=30)
 MAX_NEW = 12
 
 
-def _engine(policy: Policy = Policy.RAISE):
-    return attach_canary(lambda h: make_engine(h, enable_prefix_cache=False), CanaryConfig(policy=policy))
+CUDA = pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs CUDA")])
 
 
-def _fault_free() -> dict[int, list[int]]:
-    engine, _ = _engine(Policy.LOG)
+def _engine(policy: Policy = Policy.RAISE, device: str = "cpu"):
+    return attach_canary(lambda h: make_engine(h, enable_prefix_cache=False, device=device),
+                         CanaryConfig(policy=policy))
+
+
+def _fault_free(device: str = "cpu") -> dict[int, list[int]]:
+    engine, _ = _engine(Policy.LOG, device)
     ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
     engine.run_until_done()
     return {i: engine.output_ids(i) for i in ids}
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["same-step", "a-step-late"])
-def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on(late, as_on_cuda):
-    want = _fault_free()
-    if late:  # reports read at the end of the next step, as on CUDA: the victim's last outputs wait
+@pytest.mark.parametrize(("device", "late"), [("cpu", False), ("cpu", True), CUDA],
+                         ids=["same-step", "a-step-late", "cuda"])
+def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on(device, late, as_on_cuda):
+    want = _fault_free(device)
+    late = late or device == "cuda"
+    if late and device == "cpu":  # reports read at the end of the next step, as on CUDA
         as_on_cuda()
-    engine, hooks = _engine()
+    engine, hooks = _engine(device=device)
     assert engine.delivery.lag == int(late)
     ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
     while min(len(engine.requests[i].output_ids) for i in ids) < 3:

@@ -107,10 +107,12 @@ def test_a_seed_reproduces_a_sampled_run_in_any_batch_and_another_seed_differs()
     assert len(seeds) == 2 and None not in seeds  # each its own random seed, kept with the request
 
 
-def test_recompute_redraws_the_fault_free_tokens_of_a_seeded_request():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_recompute_redraws_the_fault_free_tokens_of_a_seeded_request(device):
     seeded = [SamplingParams(temperature=1.0, top_k=50, seed=70 + i) for i in range(4)]
-    want = _run(PROMPTS, seeded, enable_prefix_cache=False)
-    engine, hooks = attach_canary(lambda h: make_engine(h, enable_prefix_cache=False),
+    want = _run(PROMPTS, seeded, enable_prefix_cache=False, device=device)
+    engine, hooks = attach_canary(lambda h: make_engine(h, enable_prefix_cache=False, device=device),
                                   CanaryConfig(policy=Policy.RECOMPUTE))
     ids = [engine.add_request(p, MAX_NEW, sampling=s) for p, s in zip(PROMPTS, seeded, strict=True)]
     while min(len(engine.requests[i].output_ids) for i in ids) < 4:
