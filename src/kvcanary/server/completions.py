@@ -120,6 +120,44 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "logit_bias", "presence_pe
                "function_call", "response_format")
 
 
+def check_supported(req: _Sampling) -> None:
+    """400 naming the first parameter of ``UNSUPPORTED`` that asks for something."""
+    for param in UNSUPPORTED:
+        value = getattr(req, param, None)
+        if not _is_neutral(param, value):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ApiError(400, f"{param}: not supported by this server (got {shown}); leave it out", param)
+
+
+def sampling_params(req: _Sampling) -> SamplingParams | None:
+    """The request's ``SamplingParams`` (None: greedy), each value checked against its range."""
+    t, p, k, seed = req.temperature, req.top_p, req.top_k, req.seed
+    if t is not None and not 0 <= t <= 2:
+        raise ApiError(400, f"temperature: must be a number in [0, 2], got {t!r}", "temperature")
+    if p is not None and not 0 < p <= 1:
+        raise ApiError(400, f"top_p: must be a number in (0, 1], got {p!r}", "top_p")
+    if k is not None and k < -1:
+        raise ApiError(400, f"top_k: must be an int >= -1 (-1 or 0: every token), got {k!r}", "top_k")
+    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise ApiError(400, f"seed: must be an int in [-2^63, 2^64), got {seed!r}", "seed")
+    if not t:
+        return None
+    return SamplingParams(temperature=t, top_p=1.0 if p is None else p, top_k=max(k or 0, 0),
+                          seed=None if seed is None else seed % (1 << 64))
+
+
+def stop_strings(req: _Sampling, has_text: bool, vocab: int) -> tuple[str, ...]:
+    """The request's stop strings; refused (400) beyond ``MAX_STOPS``, empty, or without text."""
+    if req.stop is None:
+        return ()
+    out = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if len(out) > MAX_STOPS or not all(out):
+        raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings, got {str(list(out))[:80]}", "stop")
+    if out and not has_text:
+        raise ApiError(400, f"stop: the model's vocabulary ({vocab}) is too small for byte-level text", "stop")
+    return out
+
+
 def _encode(tokenizer: ByteTokenizer, text: str, param: str) -> list[int]:
     try:
         return tokenizer.encode(text)
@@ -192,41 +230,11 @@ def completions_router(service: EngineService) -> APIRouter:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model")
         if req.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {req.n}", "n")
-        for param in UNSUPPORTED:
-            value = getattr(req, param, None)
-            if not _is_neutral(param, value):
-                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-                raise ApiError(400, f"{param}: not supported by this server (got {shown}); leave it out", param)
+        check_supported(req)
         if max_tokens is None or max_tokens < 1 or max_tokens > limits.max_tokens:
             raise ApiError(400, f"{tokens_param}: must be an int in [1, {limits.max_tokens}], got {max_tokens!r}",
                            tokens_param)
         return max_tokens
-
-    def sampling(req: _Sampling) -> SamplingParams | None:
-        """The request's ``SamplingParams`` (None: greedy), each value checked against its range."""
-        t, p, k, seed = req.temperature, req.top_p, req.top_k, req.seed
-        if t is not None and not 0 <= t <= 2:
-            raise ApiError(400, f"temperature: must be a number in [0, 2], got {t!r}", "temperature")
-        if p is not None and not 0 < p <= 1:
-            raise ApiError(400, f"top_p: must be a number in (0, 1], got {p!r}", "top_p")
-        if k is not None and k < -1:
-            raise ApiError(400, f"top_k: must be an int >= -1 (-1 or 0: every token), got {k!r}", "top_k")
-        if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
-            raise ApiError(400, f"seed: must be an int in [-2^63, 2^64), got {seed!r}", "seed")
-        if not t:
-            return None
-        return SamplingParams(temperature=t, top_p=1.0 if p is None else p, top_k=max(k or 0, 0),
-                              seed=None if seed is None else seed % (1 << 64))
-
-    def stops(req: _Sampling) -> tuple[str, ...]:
-        if req.stop is None:
-            return ()
-        out = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
-        if len(out) > MAX_STOPS or not all(out):
-            raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings, got {str(list(out))[:80]}", "stop")
-        if out and tokenizer is None:
-            raise ApiError(400, f"stop: the model's vocabulary ({vocab}) is too small for byte-level text", "stop")
-        return out
 
     def check_ids(ids: list[list[int]]) -> None:
         for i, p in enumerate(ids):
@@ -254,7 +262,7 @@ def completions_router(service: EngineService) -> APIRouter:
                 ids.append(list(p))
         check_ids(ids)
         return _Prepared(ids, max_tokens, [p if isinstance(p, str) and req.echo else None for p in prompts],
-                         sampling(req), stops(req))
+                         sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
 
     def prepare_chat(req: ChatRequest) -> _Prepared:
         max_tokens = check_common(req, req.max_completion_tokens or req.max_tokens, "max_tokens")
@@ -267,7 +275,7 @@ def completions_router(service: EngineService) -> APIRouter:
                  for m in req.messages]
         ids = [_encode(tokenizer, chat_prompt(turns), "messages")]
         check_ids(ids)
-        return _Prepared(ids, max_tokens, [None], sampling(req), stops(req))
+        return _Prepared(ids, max_tokens, [None], sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
 
     async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
         """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
