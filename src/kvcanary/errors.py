@@ -16,11 +16,15 @@ class CapacityError(KVCanaryError):
 
 
 class CanaryViolation(KVCanaryError):
-    """Raised after a step by the ``raise`` policy; ``violations`` holds the decoded records."""
+    """Raised after a step by the ``raise`` policy; ``violations`` holds the decoded records and
+    ``request_ids`` the engine's ids of the requests failed for reading the damage (empty when
+    nothing failed, e.g. damage found by a sweep of idle cached slots, or when raised by the
+    canary alone). An engine that fails the requests stays usable: step it again."""
 
-    def __init__(self, message: str, violations: list | None = None):
+    def __init__(self, message: str, violations: list | None = None, request_ids: tuple = ()):
         super().__init__(message)
         self.violations = list(violations or [])
+        self.request_ids = tuple(request_ids)
 
 
 class InputError(KVCanaryError, ValueError):

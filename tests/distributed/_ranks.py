@@ -42,8 +42,8 @@ class DivergingSampler:
     def __init__(self, inner, fault: SamplerDivergence):
         self.inner, self.fault = inner, fault
 
-    def sample(self, logits, request_ids, positions):
-        tokens = self.inner.sample(logits, request_ids, positions)
+    def sample(self, logits, request_ids, positions, params=None):
+        tokens = self.inner.sample(logits, request_ids, positions, params)
         engine, step = self.fault.engine, self.fault.engine.step_index
         ok = [i for i, rid in enumerate(request_ids)
               if engine.requests[rid].max_new_tokens - len(engine.requests[rid].output_ids) > 2]

@@ -181,3 +181,38 @@ def test_binding_beyond_loopback_needs_a_token():
                          capture_output=True, text=True, timeout=60)
     text = " ".join(out.stderr.replace("\u2502", " ").split())  # the message as one line, without its box
     assert out.returncode == 2 and "without --admin-token" in text and "--allow-no-token" in text, text
+
+
+@pytest.mark.parametrize("on_violation", ["fail-requests", "stop"])
+def test_raise_policy_fails_the_reader_or_stops_as_told(tmp_path, on_violation):
+    """``--policy raise``: the request that reads an injected flip fails with 500 and the server
+    keeps serving (``/health`` ok); with ``--on-violation stop`` it answers 503 from then on."""
+    port, log = _free_port(), tmp_path / "server.log"
+    proc = _start([sys.executable, "-m", "kvcanary", "serve", "--port", str(port), "--policy", "raise",
+                   "--on-violation", on_violation, "--admin-token", TOKEN, "--enable-faults", "--num-slots", "1024",
+                   "--max-ctx", "256"], log)
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        _wait("kv-canary serve", lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 90, proc, log)
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "warm", "max_tokens": 4}, timeout=60).status_code \
+            == 200
+        assert httpx.post(f"{base}/canary/faults/used_slot_flip", json={"seed": 11}, headers=auth).status_code == 200
+        victim = httpx.post(f"{base}/v1/completions", json={"prompt": "reads the flip", "max_tokens": 8}, timeout=60)
+        health = httpx.get(f"{base}/health", timeout=10)
+        later = httpx.post(f"{base}/v1/completions", json={"prompt": "later", "max_tokens": 4}, timeout=60)
+    finally:
+        _stop(proc)
+    error = victim.json()["error"]["message"]
+    assert "fingerprint at TAIL" in error, error
+    if on_violation == "fail-requests":
+        assert (victim.status_code, health.status_code, later.status_code) == (500, 200, 200)
+    else:
+        assert (victim.status_code, health.status_code, later.status_code) == (503, 503, 503)
+        assert health.json()["status"] == "stopped"
+
+
+def test_on_violation_stop_needs_the_raise_policy():
+    out = subprocess.run([sys.executable, "-m", "kvcanary", "serve", "--port", "1", "--on-violation", "stop"],
+                         capture_output=True, text=True, timeout=60)
+    text = " ".join(out.stderr.replace("\u2502", " ").split())
+    assert out.returncode == 2 and "stop acts under --policy raise only, got --policy log" in text, text

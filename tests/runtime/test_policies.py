@@ -1,5 +1,6 @@
-"""Policies end to end: clean runs stay silent in every policy and fingerprint mode; raise stops
-at the first violation; recompute delivers exactly the tokens of a fault-free run."""
+"""Policies end to end: clean runs stay silent in every policy and fingerprint mode; raise fails
+the readers of the first violation and raises at the end of its step; recompute delivers exactly
+the tokens of a fault-free run."""
 
 from __future__ import annotations
 
@@ -36,11 +37,17 @@ def test_raise_policy_raises_after_the_step_with_the_violations():
     out = run_once(small_setup(policy=Policy.RAISE), [fault])
     step = fault.injections[0].step
     assert out.error is not None and "KV-cache violation" in out.error
-    assert out.engine.step_index == step  # raised inside the damaged step, after its checks
+    assert out.engine.step_index == step + 1  # raised at the end of the damaged step, the step done
     assert out.violations and all(isinstance(v, Violation) and v.step == step for v in out.violations)
     first = out.violations[0]
     assert first.point is LaunchPoint.HEAD and Reason.CHAIN in first.reasons
     assert out.hooks.canary.totals.violations == len(out.violations)
+    # the readers of the damage failed, named by the error; nobody else did
+    readers = {r for v in out.violations for r in v.requests}
+    failed = {rid for rid, r in out.engine.requests.items() if r.status is RequestStatus.FAILED}
+    assert failed == readers and len(failed) >= 1
+    assert f"failed requests: {', '.join(map(str, sorted(failed)))};" in out.error
+    out.engine.check_integrity()
 
 
 def test_raise_policy_exception_carries_the_violations():

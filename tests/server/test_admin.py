@@ -215,12 +215,28 @@ def test_sweep_with_the_canary_off_is_409():
         _error(c.post("/canary/sweep", json={}, headers=AUTH), 409, "the canary is off")
 
 
-def test_raise_policy_stops_the_engine_and_fails_requests_with_503():
+def test_raise_policy_fails_the_reader_with_500_and_keeps_serving():
     with _client(policy=Policy.RAISE) as c:
         _complete(c, _prompts(1, 9))
         assert c.post("/canary/faults/used_slot_flip", headers=AUTH, json={}).status_code == 200
+        _error(c.post("/v1/completions", json={"prompt": _prompts(1, 10), "max_tokens": 8}), 500,
+               "damaged KV-cache entries (fingerprint at TAIL)", "raise policy")
+        status = c.get("/canary/status").json()
+        assert status["engine"]["stopped"] is None and status["engine"]["on_violation"] == "fail-requests"
+        assert status["last_violations"][0]["reasons"] == ["fingerprint"]
+        assert c.get("/health").json() == {"status": "ok"}
+        _complete(c, "again", 2)
+
+
+def test_raise_policy_with_on_violation_stop_stops_the_engine_with_503():
+    config = ServeConfig(engine=EngineConfig(num_slots=512, max_ctx=256, chunk_size=32, host_tier_slots=256),
+                         canary=CanaryConfig(policy=Policy.RAISE, sweep_interval=4),
+                         admin=AdminConfig(token=TOKEN, enable_faults=True), on_violation="stop")
+    with TestClient(build_app(config), base_url="http://127.0.0.1:8000") as c:
+        _complete(c, _prompts(1, 9))
+        assert c.post("/canary/faults/used_slot_flip", headers=AUTH, json={}).status_code == 200
         _error(c.post("/v1/completions", json={"prompt": _prompts(1, 10), "max_tokens": 8}), 503,
-               "the engine stopped", "KV-cache violation")
+               "the engine stopped", "KV-cache violation (fingerprint at TAIL)")
         status = c.get("/canary/status").json()
         assert "KV-cache violation" in status["engine"]["stopped"]
         assert status["last_violations"][0]["reasons"] == ["fingerprint"]

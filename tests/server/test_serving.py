@@ -328,3 +328,25 @@ def test_with_late_reports_a_stream_gets_only_tokens_whose_report_was_read():
     gens, held_back = asyncio.run(main())
     assert held_back > 0  # some tokens did wait for their report, so the check above could fail
     assert all(g.is_done and len(g.tokens) == 6 for g in gens) and not service.engine.delivery.has_pending
+
+
+def test_openai_client_sampling_parameters(server):
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = lambda **kw: client.completions.create(model="kv-canary-reference", prompt="a seeded prompt",  # noqa: E731
+                                                 max_tokens=20, **kw).choices[0]
+    a, b = ask(temperature=1.0, top_p=0.9, seed=7), ask(temperature=1.0, top_p=0.9, seed=7)
+    assert a.text == b.text and a.text != ask(temperature=1.0, top_p=0.9, seed=8).text
+    stop = a.text[4:6]
+    cut = ask(temperature=1.0, top_p=0.9, seed=7, stop=[stop])
+    assert (cut.text, cut.finish_reason) == (a.text[: a.text.find(stop)], "stop")
+    chat = client.chat.completions.create(model="kv-canary-reference", max_tokens=8, seed=3, temperature=0.8,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(logprobs=2)
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="kv-canary-reference", prompt="x", max_tokens=2,
+                                  extra_body={"min_tokens": 1})
+    assert e.value.body["param"] == "min_tokens" and "unknown field" in e.value.body["message"]

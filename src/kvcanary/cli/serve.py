@@ -28,6 +28,11 @@ def serve(
     device: opt.Device = SERVE.device.value,
     seed: opt.Seed = SERVE.seed,
     policy: opt.PolicyOption = SERVE.policy.value,
+    on_violation: Annotated[str, typer.Option("--on-violation", metavar="<fail-requests|stop>",
+                                              help="Under --policy raise: fail-requests ends the requests that read "
+                                                   "the damage with an error and keeps serving the rest; stop stops "
+                                                   "the engine (every later request 503 until a restart).")
+                            ] = "fail-requests",
     real_kv: opt.RealKv = SERVE.real_kv.value,
     sweep_interval: opt.SweepInterval = SERVE.sweep_interval,
     sweep_budget: opt.SweepBudget = SERVE.sweep_budget,
@@ -73,6 +78,12 @@ def serve(
         raise typer.BadParameter(f"binding {host} (beyond loopback) without --admin-token would let anyone who "
                                  "reaches it read cached content and change state; set --admin-token (or "
                                  "KVCANARY_ADMIN_TOKEN), or pass --allow-no-token to accept that", param_hint="--host")
+    if on_violation not in ("fail-requests", "stop"):
+        raise typer.BadParameter(f"must be fail-requests or stop, got {on_violation!r}", param_hint="--on-violation")
+    chosen = opt.PolicyChoice(policy)
+    if on_violation == "stop" and chosen is not opt.PolicyChoice.RAISE:
+        raise typer.BadParameter(f"stop acts under --policy raise only, got --policy {chosen.value}; pass "
+                                 "--policy raise or drop --on-violation", param_hint="--on-violation")
     with options_checked():
         config = ServeConfig(
             model=model_config(opt.model_preset(model), seed),
@@ -83,7 +94,8 @@ def serve(
             admin=AdminConfig(token=admin_token, enable_faults=enable_faults),
             access=AccessConfig.for_bind(host, tuple(allowed_host or ()), max_body),
             limits=ServeLimits(max_prompts=max_prompts, max_tokens=max_tokens, max_queued=max_queued,
-                               request_timeout_s=request_timeout, drain_s=drain_timeout))
+                               request_timeout_s=request_timeout, drain_s=drain_timeout),
+            on_violation=on_violation)
 
     def announce(served) -> None:
         if exposed and admin_token is None:

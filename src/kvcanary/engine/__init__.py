@@ -6,6 +6,7 @@ from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
 from kvcanary.engine.engine import Engine, StepResult
 from kvcanary.engine.hooks import EngineHooks
 from kvcanary.engine.request import Request, RequestStatus
+from kvcanary.engine.sampler import SamplingParams
 from kvcanary.engine.stats import EngineStats
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SamplerKind",
+    "SamplingParams",
     "StepResult",
 ]

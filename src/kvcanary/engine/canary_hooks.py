@@ -6,9 +6,12 @@ model under CUDA graphs; on CUDA, with one pool, TAIL starts on the canary's sid
 ``layer_done`` of the last covered layer and ``forward_epilogue`` joins it), the step's report
 in ``after_forward``, so on the CPU a violation is known before the step samples: under the
 recompute policy the affected requests are retracted there and produce no token from the
-corrupted forward. After a replayed forward's launch, the step before a sweep, ``after_forward``
-also builds the sweep's runs (``Canary.prefetch_sweep``): the host waits for the replay there
-anyway. Offload and load-back move the records with the K/V rows.
+corrupted forward. Under the raise policy the requests that read the damage fail there instead
+(``Engine.fail``: status FAILED, slots quarantined), the step completes for the others, and
+``after_step`` raises the ``CanaryViolation`` naming them; the engine stays usable. After a
+replayed forward's launch, the step before a sweep, ``after_forward`` also builds the sweep's
+runs (``Canary.prefetch_sweep``): the host waits for the replay there anyway. Offload and
+load-back move the records with the K/V rows.
 
 A model with sliding-window layers gets a second Canary for the window pool
 (``PoolKind.SWA``, its window): it reads the batch through the pool's full-slot -> window-slot
@@ -26,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcanary.config import CanaryConfig
-from kvcanary.core.record import Half, LaunchPoint, PoolKind
+from kvcanary.core.record import Half, LaunchPoint, PoolKind, Reason
 from kvcanary.engine.hooks import EngineHooks
+from kvcanary.errors import CanaryViolation
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry, Recovery, StepReport
@@ -95,6 +99,7 @@ class CanaryHooks(EngineHooks):
         self.prefetch_sweeps = True
         self.reports: list[StepReport] = []
         self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
+        self.failure: CanaryViolation | None = None  # raised by ``after_step`` (raise policy)
 
     def attach(self, engine: Engine) -> Canary:
         cfg = engine.config
@@ -171,11 +176,14 @@ class CanaryHooks(EngineHooks):
         return [(self.canary, batch), (self.window_canary, self._window_batch(batch))]
 
     def after_forward(self, batch: ForwardBatch) -> None:
-        report = self.canary.end_step(self.step)
+        report, raised = _read(self.canary.end_step, self.step)
         if self.window_canary is not None:
-            report = self._merge_window(report, self.window_canary.end_step(self.step))
-        if report.violations or report.alarms or report.recovery is not None:  # a clean step: nothing to handle
-            self._handle(report)
+            window, raised_too = _read(self.window_canary.end_step, self.step)
+            report, raised = self._merge_window(report, window), raised or raised_too
+        if raised:  # raise policy: fail the requests that read the damage now; ``after_step`` raises
+            self.failure = self._fail(report)
+        if self.failure is None and (report.violations or report.alarms or report.recovery is not None):
+            self._handle(report)  # (a clean step: nothing to handle)
         every = self._sweep_every
         if every and self.engine.replaying and (self.step + 1) % every == 0 and self.prefetch_sweeps:
             # the step before a sweep, its forward a replay still running on the device: the host waits
@@ -191,6 +199,27 @@ class CanaryHooks(EngineHooks):
             rec = report.recovery
             known = [r for r in rec.requests if r in self.engine.requests]
             self.engine.recompute(known, torch.tensor(rec.slots, dtype=torch.int64), since_step=rec.since_step)
+
+    def _fail(self, report: StepReport) -> CanaryViolation | None:
+        """The raise policy's violations of ``report``: the requests that read the damage fail
+        (``Engine.fail``), the damaged slots are quarantined; returns the error naming them, or
+        None when the report holds no news (damage already quarantined, read again by requests
+        already failed: with reports a step late, the step that failed them read it once more)."""
+        vs = report.violations
+        damaged = [v for v in vs if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY]
+        slots = {v.slot for v in damaged if v.tag.pool is not PoolKind.SWA}
+        window = [v.slot for v in damaged if v.tag.pool is PoolKind.SWA]
+        if window:  # the window pool's slots: the full slots that own them
+            slots.update(self.engine.pool.window.full_slots_of(window))
+        pool = self.engine.pool
+        fresh = [s for s in slots if not pool.is_quarantined(s)]
+        reqs = [r for r in dict.fromkeys(r for v in vs for r in v.requests) if isinstance(r, int)]
+        failed = self.engine.fail(reqs, torch.tensor(sorted(slots), dtype=torch.int64), min(v.step for v in vs))
+        if not failed and not fresh and (slots or window):
+            return None
+        names = ", ".join(map(str, failed)) or "none"
+        return CanaryViolation(f"{len(vs)} KV-cache violation(s); failed requests: {names}; first: {vs[0].line()}",
+                               vs, tuple(failed))
 
     def _merge_window(self, report: StepReport, window: StepReport) -> StepReport:
         """One report of the step: the window pool's violations and alarms join the full pool's;
@@ -214,11 +243,16 @@ class CanaryHooks(EngineHooks):
         window pool's merged in. Its recovery is applied (the requests it names are re-queued),
         then every output still held back is delivered. ``keep``: also keep it in ``reports`` (a
         server that goes on stepping; a run reads the returned report instead)."""
-        report = self.canary.flush(step)
+        report, raised = _read(self.canary.flush, step)
         if self.window_canary is not None:
-            report = self._merge_window(report, self.window_canary.flush(step))
-        self._handle(report, keep)  # its recovery re-queues what it names
+            window, raised_too = _read(self.window_canary.flush, step)
+            report, raised = self._merge_window(report, window), raised or raised_too
+        failure = self._fail(report) if raised else None
+        if failure is None:
+            self._handle(report, keep)  # its recovery re-queues what it names (raise: a re-detection is kept)
         self.engine.delivery.advance(step, flush=True)  # every step's report is in: the rest may go out
+        if failure is not None:
+            raise failure
         return report
 
     def window_report(self) -> dict | None:
@@ -233,6 +267,9 @@ class CanaryHooks(EngineHooks):
 
     def after_step(self, step_index: int) -> None:
         self.step = step_index + 1
+        failure, self.failure = self.failure, None
+        if failure is not None:  # the step is done, its failed requests ended: the engine stays usable
+            raise failure
 
     def before_move(self) -> None:
         # the pool's copy reads and writes records on the engine's stream: after any side-stream
@@ -256,6 +293,16 @@ class CanaryHooks(EngineHooks):
             win, rows = self.engine.pool.window.translate(device_slots), host_rows.cpu()
             for run in _runs(win > 0):  # each run of consecutive positions is verified as it lands
                 self.window_canary.load_back(rows[run], win[run].to(device_slots.device))
+
+
+def _read(end, step: int) -> tuple[StepReport, bool]:
+    """``end(step)`` (a canary's ``end_step`` or ``flush``) and whether the raise policy raised:
+    its ``CanaryViolation`` comes back as the report of its violations (the canary accounted
+    them before it raised), so the engine fails the requests that read the damage, not itself."""
+    try:
+        return end(step), False
+    except CanaryViolation as e:
+        return StepReport(step, list(e.violations)), True
 
 
 def attach_canary(engine_factory, config: CanaryConfig):

@@ -25,8 +25,12 @@ class Delivered(NamedTuple):
 
 
 class Delivery:
-    def __init__(self, lag: int = 0):
-        self.lag = lag
+    """``keep_log``: append every delivered token to ``log`` (runs and tests read it); a server
+    that runs for months turns it off and ``forget``s each request it is done with, so nothing
+    here grows with the tokens or requests it ever served."""
+
+    def __init__(self, lag: int = 0, keep_log: bool = True):
+        self.lag, self.keep_log = lag, keep_log
         self.log: list[Delivered] = []
         self.retracted = 0
         self._count: dict[int, int] = {}  # request id -> outputs delivered
@@ -82,11 +86,17 @@ class Delivery:
         for rid, req in list(self._pending.items()):
             n = self._count.get(rid, 0)
             while n < len(req.output_ids) and (flush or req.output_steps[n] <= upto):
-                self.log.append(Delivered(step, rid, n, req.output_ids[n]))
+                if self.keep_log:
+                    self.log.append(Delivered(step, rid, n, req.output_ids[n]))
                 n += 1
             self._count[rid] = n
             if n == len(req.output_ids):
                 del self._pending[rid]
+
+    def forget(self, request_id: int) -> None:
+        """Drop what is kept of a request that left the engine (its count, its pending outputs)."""
+        self._count.pop(request_id, None)
+        self._pending.pop(request_id, None)
 
     def tokens(self) -> dict[int, list[int]]:
         """Request id -> its delivered tokens in order."""

@@ -13,13 +13,15 @@ logs their acts.
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcanary.engine.cache_manager import CacheManager
-from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.engine.config import EngineConfig, ModelConfig, SamplerKind
 from kvcanary.engine.cuda_graph import DecodeGraphs
 from kvcanary.engine.delivery import Delivery
 from kvcanary.engine.forward_batch import build_forward_batch
@@ -29,7 +31,7 @@ from kvcanary.engine.model import TinyLlama
 from kvcanary.engine.pool import KVPool
 from kvcanary.engine.radix import RadixCache
 from kvcanary.engine.request import Request, RequestStatus
-from kvcanary.engine.sampler import Sampler
+from kvcanary.engine.sampler import Sampler, SamplingParams
 from kvcanary.engine.scheduler import Schedule, Scheduler
 from kvcanary.engine.stats import EngineStats
 from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
@@ -91,10 +93,13 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, request_id: int | None = None
+        self, prompt_ids: Sequence[int], max_new_tokens: int, request_id: int | None = None,
+        sampling: SamplingParams | None = None,
     ) -> int:
-        """Queue a request; returns its id. Raises ValueError for bad arguments and CapacityError
-        when it could never fit (``max_ctx`` or the pool)."""
+        """Queue a request; returns its id. ``sampling``: how it picks its tokens (None: greedy;
+        without a seed it gets a random one, kept, so a recompute redraws the same tokens; needs
+        the greedy sampler kind). Raises ValueError for bad arguments and CapacityError when it
+        could never fit (``max_ctx`` or the pool)."""
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model_config.vocab_size
         if not prompt or not all(0 <= t < vocab for t in prompt):
@@ -108,13 +113,21 @@ class Engine:
                 f"pool's {cfg.num_usable_slots} usable slots; shorten the request or raise "
                 "EngineConfig.max_ctx / num_slots"
             )
+        if sampling is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+            if self.config.sampler is not SamplerKind.GREEDY and not sampling.is_greedy:
+                raise ValueError(f"sampling with temperature {sampling.temperature} needs EngineConfig.sampler "
+                                 f"'greedy' (the {self.config.sampler.value} sampler ignores the logits)")
+            if sampling.seed is None:
+                sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id} is already in use; pass a new id or None")
-        req = Request(request_id, prompt, max_new_tokens)
+        req = Request(request_id, prompt, max_new_tokens, sampling=sampling)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -128,7 +141,7 @@ class Engine:
         """Abort a waiting or running request, freeing all it holds (``on_free``). False if it had
         already finished or been aborted."""
         req = self._get(request_id)
-        if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+        if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED):
             return False
         own = req.slots[req.num_prefix_cached : req.num_cached]
         if Bug.ABORT_INFLIGHT_WRITE in self.zoo and req.status is RequestStatus.RUNNING and own.numel():
@@ -190,7 +203,8 @@ class Engine:
                 self.stats.num_prefill_tokens += n
         rows = [i for i, (req, n) in enumerate(plan) if req.num_cached + n == req.num_tokens + len(req.draft_ids)]
         reqs = [plan[i][0] for i in rows]
-        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs])
+        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.num_tokens for r in reqs],
+                                     [r.sampling for r in reqs])
         new_tokens = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         accepted = {r.request_id: self.sampler.accept_drafts(r.request_id, r.num_tokens, r.draft_ids)
                     for r in reqs if r.draft_ids}
@@ -203,8 +217,8 @@ class Engine:
         if not early:  # (tokens sampled now wait ``lag`` steps: nothing more is due this step)
             self.delivery.advance(self.step_index)
         self.stats.num_steps += 1
-        self.hooks.after_step(self.step_index)
         self.step_index += 1
+        self.hooks.after_step(self.step_index - 1)  # last: under raise it may raise, the step done
         return StepResult(
             step_index=self.step_index - 1,
             request_ids=batch.request_ids,
@@ -329,7 +343,7 @@ class Engine:
         named = {self._get(i).request_id for i in request_ids}
         bad_set = set(bad.tolist())
         if since_step is not None:  # reports one step late: who read a bad slot since, not yet delivered
-            named |= self.delivery.holding(bad_set, since_step)
+            named |= {i for i in self.delivery.holding(bad_set, since_step) if i in self.requests}  # (still known)
         affected = [
             r for r in self.scheduler.running if r.request_id in named or bad_set & set(r.slots.tolist())
         ]
@@ -358,6 +372,39 @@ class Engine:
         self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return [r.request_id for r in affected]
 
+    def fail(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
+             since_step: int) -> list[int]:
+        """The raise policy's answer to damage: quarantine ``bad_slots`` (as ``recompute`` does)
+        and end with status FAILED the named requests, any running request whose slots include a
+        bad one, and, with reports one step late, those that read a bad slot at ``since_step`` or
+        later (``delivery.holding``); a named request that finished since fails too unless all its
+        outputs were delivered. Their outputs sampled at ``since_step`` or later are dropped
+        (never delivered); the rest of the engine goes on. Ids the engine no longer knows are
+        skipped. Safe to call from ``after_forward``: failed requests produce nothing in the
+        current step. Returns the ids failed, in order."""
+        bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
+        if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
+            raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
+        bad = bad[bad >= self.config.page_size]  # page 0 is reserved and never handed out
+        bad_set = set(bad.tolist())
+        # a server drops the requests it is done with: ids it no longer knows are skipped
+        named = {i for i in (*request_ids, *self.delivery.holding(bad_set, since_step)) if i in self.requests}
+        named |= {r.request_id for r in self.scheduler.running if bad_set & set(r.slots.tolist())}
+        failed = []
+        for rid in sorted(named):
+            req = self.requests[rid]
+            if req.status in (RequestStatus.ABORTED, RequestStatus.FAILED):
+                continue
+            if req.status is RequestStatus.FINISHED and self.delivery.count(rid) == len(req.output_ids):
+                continue  # delivered whole before the damage: nothing of it is wrong
+            self.scheduler.abort(req)  # releases what it holds (nothing once finished)
+            req.status = RequestStatus.FAILED
+            req.drop_outputs_since(since_step)
+            self.delivery.dropped(req)
+            failed.append(rid)
+        self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
+        return failed
+
     def check_integrity(self) -> None:
         """Assert every host-side invariant: slot, row and host-row conservation, prefix-cache
         locks and placement, page tables vs slot records, request states."""
@@ -371,7 +418,8 @@ class Engine:
             )
         listed = {id(r) for r in running} | {id(r) for r in waiting}
         for r in self.requests.values():
-            assert id(r) in listed or r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED), (
+            assert id(r) in listed or r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED,
+                                                   RequestStatus.FAILED), (
                 f"request {r.request_id} ({r.status.name}) is in no queue"
             )
         self.cache.check_integrity(list(self.requests.values()))

@@ -262,6 +262,9 @@ class KVPool(KVPoolBase):
             first = torch.tensor(returned, dtype=torch.int64) * self.page_size
             self.hooks.on_free((first[:, None] + torch.arange(self.page_size)).flatten().to(self.device))
 
+    def is_quarantined(self, slot: int) -> bool:
+        return slot // self.page_size in self._quarantined
+
     def quarantine(self, slots: torch.Tensor) -> int:
         """Never hand out the pages of ``slots`` again. Free pages leave the free list now; owned
         ones are kept out when their owner frees them. Returns the number of newly quarantined pages."""

@@ -27,6 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvcanary.engine.radix import RadixNode
+    from kvcanary.engine.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +36,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # retracted: holds nothing, waits to re-prefill its whole history
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # read damaged K/V under the raise policy: ended with an error (``Engine.fail``)
 
 
 @dataclass(eq=False)
@@ -52,6 +54,7 @@ class Request:
     prefix_node: RadixNode | None = None
     draft_ids: list[int] = field(default_factory=list)
     truth_len: int = 0  # positions of its history its row holds in the canary's truth table (appends)
+    sampling: SamplingParams | None = None  # None: greedy (``Engine.add_request`` sets the seed)
     # ``prompt_ids`` as a read-only int64 array, made once: a prefill's ids are slices of it, not lists
     # converted again at every step
     prompt_array: np.ndarray = field(init=False, repr=False)

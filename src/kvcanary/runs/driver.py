@@ -19,6 +19,7 @@ from kvcanary.engine.engine import Engine, StepResult
 from kvcanary.engine.pd import KVTransfer
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.workload import Workload
+from kvcanary.errors import CanaryViolation
 
 Progress = Callable[[int, int], None]  # (requests done, requests in all), after each tick
 OnTick = Callable[[StepResult | None], None]  # after each tick: the generating engine's step, if it ran one
@@ -101,9 +102,7 @@ class Driver:
             self._abort_due()
             result = None
             if self.engine.has_unfinished:
-                t0 = time.perf_counter()
-                result = self.engine.step()
-                self._decode.add(result, time.perf_counter() - t0)
+                result = _timed_step(self.engine, self._decode)
                 self._num_done += sum(rid in self._ours for rid in result.finished_ids)
             tick += 1
             if on_tick is not None:
@@ -128,9 +127,7 @@ class Driver:
 
     def _prefill_step(self) -> None:
         """One prefill step; each finished prompt is transferred and its request joins the decode engine."""
-        prefill, t0 = self.transfer.prefill, time.perf_counter()
-        result = prefill.step()
-        self._prefill.add(result, time.perf_counter() - t0)
+        result = _timed_step(self.transfer.prefill, self._prefill)
         self._prefill_tokens |= result.new_tokens
         for pid in result.finished_ids:
             i = self._pending.pop(pid)
@@ -174,3 +171,16 @@ def run_workload(target: Engine | KVTransfer, workload: Workload, progress: Prog
                  on_tick: OnTick | None = None) -> RunCounts:
     """Drive ``workload`` through ``target`` (see ``Driver``) and return its counts."""
     return Driver(target, workload).run(progress, on_tick)
+
+
+def _timed_step(engine: Engine, counts: StepCounts) -> StepResult:
+    """``engine.step()``, counted and timed in ``counts``. The reference engine's canary hooks
+    raise a ``CanaryViolation`` (raise policy) once its step is done: that step counts too."""
+    t0, step = time.perf_counter(), engine.step_index
+    try:
+        result = engine.step()
+    except CanaryViolation:
+        counts.add(StepResult(step if engine.step_index > step else -1), time.perf_counter() - t0)
+        raise
+    counts.add(result, time.perf_counter() - t0)
+    return result

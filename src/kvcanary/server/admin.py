@@ -13,7 +13,8 @@
 
 "auth", with ``AdminConfig.token`` set: "yes": the route needs ``Authorization: Bearer <token>``
 (401 without it or with another); "content": open, but cached content (token ids, chains,
-fingerprints, stored and expected values) is shown only with the token (``null`` without).
+fingerprints, stored and expected values) and the ids of the requests that read a slot (engine
+and client ids) are shown only with the token (``null`` without).
 "*": fault routes answer 403 unless ``AdminConfig.enable_faults`` was set at start-up. Errors
 are OpenAI-shaped JSON (``kvcanary.server.errors``) once ``install_error_handlers(app)`` ran.
 
@@ -122,7 +123,9 @@ class AdminTarget:
     def recover(self, recovery: Recovery) -> None:
         """Act on the recompute policy's ``Recovery`` found by an out-of-band sweep (default: nothing)."""
 
-    def engine_status(self) -> dict:
+    def engine_status(self, reveal: bool = True) -> dict:
+        """The engine's state for ``/canary/status``; without ``reveal``, nothing that names a
+        request or shows cached content."""
         return {}
 
 
@@ -159,8 +162,17 @@ class ViolationLog:
 
 
 def redact(rows: list[dict]) -> list[dict]:
-    """Violation rows without their cached content (token ids, stored and expected values)."""
-    return [{**r, **dict.fromkeys(CONTENT_FIELDS)} for r in rows]
+    """Violation rows without their cached content (token ids, stored and expected values) and
+    without the ids of their requests (engine and client ids; an idle cached slot's ``"cache"``
+    and the positions stay)."""
+    return [{**r, **dict.fromkeys(CONTENT_FIELDS), "requests": [_anonymous(o) for o in r.get("requests", [])]}
+            for r in rows]
+
+
+def _anonymous(owner: dict) -> dict:
+    """A slot owner without the request's ids (``"cache"`` names no request and stays)."""
+    return {**owner, "request": "cache" if owner.get("request") == "cache" else None,
+            **({"client": None} if "client" in owner else {})}
 
 
 Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <token>")]
@@ -214,7 +226,7 @@ class CanaryAdmin:
             "watchdog": {"window": cfg.watchdog_steps, "state": "alarm" if silent else "ok",
                          "silent_points": silent, "alarms": alarms[-10:],
                          "launches": {p.name: counters[p.name]["launches"] for p in LaunchPoint}},
-            "engine": self.target.engine_status(),
+            "engine": self.target.engine_status(reveal),
         }
 
     def sweep(self) -> dict:
@@ -250,7 +262,11 @@ class CanaryAdmin:
         hexa = lambda x: f"0x{x & (2**64 - 1):016x}" if reveal else None
         return {"slot": slot, "reserved": slot == PAD_SLOT, "stamped": any(w), "token": w[TOKEN] if reveal else None,
                 "position": w[POSITION], "chain": hexa(w[CHAIN]), "fingerprint": hexa(w[FINGERPRINT]),
-                "owners": self.target.slot_owners(slot), "content_shown": reveal}
+                "owners": self._owners(slot, reveal), "content_shown": reveal}
+
+    def _owners(self, slot: int, reveal: bool) -> list[dict] | None:
+        owners = self.target.slot_owners(slot)
+        return owners if reveal or owners is None else [_anonymous(o) for o in owners]
 
     def inject(self, kind: str, params: dict) -> dict:
         kinds = self.target.fault_kinds()

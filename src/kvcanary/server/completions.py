@@ -3,11 +3,17 @@
 
 Prompts are text (byte-level tokens, see ``ByteTokenizer``), a list of texts, a list of token
 ids or a list of such lists, as the OpenAI API allows; each becomes one choice. Chat messages
-go through ``chat_prompt``. ``max_tokens`` (default 16) tokens are generated per prompt (the
-reference model has no end-of-sequence token, so ``finish_reason`` is ``length``). Sampling
-options are accepted and ignored (the engine samples greedily); ``n`` must be 1. ``stream``
-answers Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]``); an error after the
-stream started arrives as ``data: {"error": ...}`` before ``[DONE]``.
+go through ``chat_prompt``. At most ``max_tokens`` (default 16) tokens are generated per prompt;
+the reference model has no end-of-sequence token, so ``finish_reason`` is ``length`` unless one
+of the ``stop`` strings appeared (``stop``: the text ends before it and leaves it out; the token
+ids run to the token that completed it). ``temperature`` (default 0: greedy, the reference
+model's own default), ``top_p``, ``top_k`` (0 or -1: every token) and ``seed`` (the same seed
+and request give the same tokens) pick the tokens (``SamplingParams``). Parameters the server
+cannot honour (``logprobs``, ``n`` > 1, ``best_of`` > 1, ``logit_bias``, penalties, tools, ...)
+are refused with 400 naming the parameter unless they hold their neutral value, and so are
+fields it does not know. ``stream`` answers Server-Sent Events (``data: {chunk}`` lines, then
+``data: [DONE]``); an error after the stream started arrives as ``data: {"error": ...}`` before
+``[DONE]``.
 
 Every route awaits; none holds a thread while its generation runs. A client that disconnects,
 or a request past ``ServeLimits.request_timeout_s`` (504), is aborted in the engine.
@@ -20,34 +26,54 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from kvcanary.engine.sampler import SamplingParams
 from kvcanary.server.errors import ApiError, AsciiJSONResponse, error_body
 from kvcanary.server.service import EngineService, Generation
-from kvcanary.server.tokenizer import ByteTokenizer, chat_prompt
+from kvcanary.server.tokenizer import ByteTokenizer, TextOutput, chat_prompt
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # OpenAI's int64 seeds and the engine's uint64 ones
+MAX_STOPS = 16
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # temperature, top_p, ...: accepted, ignored
+    model_config = ConfigDict(extra="forbid")  # a field it does not know is refused, never ignored
 
     model: str | None = None
     max_tokens: int | None = 16
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None  # an end-user id for the client's own records: accepted, unused
+    # what it cannot honour: refused unless at its neutral value (``UNSUPPORTED``)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    suffix: Any = None
 
 
 class TextPart(BaseModel):
@@ -56,15 +82,80 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: ignored
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # a participant's name: accepted, not part of the template
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+
+def _is_neutral(name: str, value) -> bool:
+    """Whether an unsupported parameter holds the value that asks for nothing."""
+    if value is None:
+        return True
+    if name == "logprobs":
+        return value is False
+    if name in ("top_logprobs", "best_of"):
+        return type(value) is int and value == (0 if name == "top_logprobs" else 1)
+    if name == "logit_bias":
+        return value == {}
+    if name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        return type(value) in (int, float) and value == (1 if name == "repetition_penalty" else 0)
+    return False
+
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "suffix", "tools", "tool_choice", "parallel_tool_calls", "functions",
+               "function_call", "response_format")
+
+
+def check_supported(req: _Sampling) -> None:
+    """400 naming the first parameter of ``UNSUPPORTED`` that asks for something."""
+    for param in UNSUPPORTED:
+        value = getattr(req, param, None)
+        if not _is_neutral(param, value):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ApiError(400, f"{param}: not supported by this server (got {shown}); leave it out", param)
+
+
+def sampling_params(req: _Sampling) -> SamplingParams | None:
+    """The request's ``SamplingParams`` (None: greedy), each value checked against its range."""
+    t, p, k, seed = req.temperature, req.top_p, req.top_k, req.seed
+    if t is not None and not 0 <= t <= 2:
+        raise ApiError(400, f"temperature: must be a number in [0, 2], got {t!r}", "temperature")
+    if p is not None and not 0 < p <= 1:
+        raise ApiError(400, f"top_p: must be a number in (0, 1], got {p!r}", "top_p")
+    if k is not None and k < -1:
+        raise ApiError(400, f"top_k: must be an int >= -1 (-1 or 0: every token), got {k!r}", "top_k")
+    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise ApiError(400, f"seed: must be an int in [-2^63, 2^64), got {seed!r}", "seed")
+    if not t:
+        return None
+    return SamplingParams(temperature=t, top_p=1.0 if p is None else p, top_k=max(k or 0, 0),
+                          seed=None if seed is None else seed % (1 << 64))
+
+
+def stop_strings(req: _Sampling, has_text: bool, vocab: int) -> tuple[str, ...]:
+    """The request's stop strings; refused (400) beyond ``MAX_STOPS``, empty, or without text."""
+    if req.stop is None:
+        return ()
+    out = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if len(out) > MAX_STOPS or not all(out):
+        raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings, got {str(list(out))[:80]}", "stop")
+    if out and not has_text:
+        raise ApiError(400, f"stop: the model's vocabulary ({vocab}) is too small for byte-level text", "stop")
+    return out
 
 
 def _encode(tokenizer: ByteTokenizer, text: str, param: str) -> list[int]:
@@ -118,8 +209,10 @@ class _Waiter:
 
 
 class _Prepared:
-    def __init__(self, ids: list[list[int]], max_tokens: int, texts: list[str | None]):
+    def __init__(self, ids: list[list[int]], max_tokens: int, texts: list[str | None],
+                 sampling: SamplingParams | None, stops: tuple[str, ...]):
         self.ids, self.max_tokens, self.texts = ids, max_tokens, texts
+        self.sampling, self.stops = sampling, stops
 
 
 def completions_router(service: EngineService) -> APIRouter:
@@ -129,14 +222,15 @@ def completions_router(service: EngineService) -> APIRouter:
     limits = service.limits
     tokenizer = ByteTokenizer(vocab) if vocab >= 256 else None
 
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+    def text_of(gen: Generation) -> str:
+        return gen.text.text if gen.text is not None else " ".join(map(str, gen.tokens))
 
     def check_common(req: _Sampling, max_tokens: int | None, tokens_param: str) -> int:
         if req.model not in (None, name):
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model")
         if req.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {req.n}", "n")
+        check_supported(req)
         if max_tokens is None or max_tokens < 1 or max_tokens > limits.max_tokens:
             raise ApiError(400, f"{tokens_param}: must be an int in [1, {limits.max_tokens}], got {max_tokens!r}",
                            tokens_param)
@@ -167,7 +261,8 @@ def completions_router(service: EngineService) -> APIRouter:
             else:
                 ids.append(list(p))
         check_ids(ids)
-        return _Prepared(ids, max_tokens, [p if isinstance(p, str) and req.echo else None for p in prompts])
+        return _Prepared(ids, max_tokens, [p if isinstance(p, str) and req.echo else None for p in prompts],
+                         sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
 
     def prepare_chat(req: ChatRequest) -> _Prepared:
         max_tokens = check_common(req, req.max_completion_tokens or req.max_tokens, "max_tokens")
@@ -180,12 +275,14 @@ def completions_router(service: EngineService) -> APIRouter:
                  for m in req.messages]
         ids = [_encode(tokenizer, chat_prompt(turns), "messages")]
         check_ids(ids)
-        return _Prepared(ids, max_tokens, [None])
+        return _Prepared(ids, max_tokens, [None], sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
 
     async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
         """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
         client_ids = [cid] if len(prep.ids) == 1 else [f"{cid}.{i}" for i in range(len(prep.ids))]
-        gens = await service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream)
+        texts = [TextOutput(tokenizer, prep.stops) for _ in prep.ids] if tokenizer is not None else None
+        gens = await service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream,
+                                    sampling=prep.sampling, texts=texts)
         waiter = _Waiter(request, gens, limits.request_timeout_s)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -218,8 +315,8 @@ def completions_router(service: EngineService) -> APIRouter:
         return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n".encode()
 
     async def stream_chunks(gens, waiter: _Waiter, chunk, prep: _Prepared, include_usage: bool):
-        """SSE bytes of ``gens``: ``chunk(index, text, finish_reason)`` builds each event."""
-        decoders = [tokenizer.stream_decoder() if tokenizer is not None else None for _ in gens]
+        """SSE bytes of ``gens``: ``chunk(index, text, finish_reason)`` builds each event. Text
+        goes out as far as its ``TextOutput`` lets it (a possible stop string is held back)."""
         seen, ended = [0] * len(gens), [False] * len(gens)
         for i, text in enumerate(prep.texts):
             if text:
@@ -227,19 +324,24 @@ def completions_router(service: EngineService) -> APIRouter:
         try:
             while True:
                 for i, g in enumerate(gens):
-                    new, seen[i] = g.tokens[seen[i]:], len(g.tokens)
-                    if new:
-                        text = decoders[i].feed(new) if decoders[i] is not None else " ".join(map(str, new)) + " "
-                        if text:
-                            yield sse(chunk(i, text, None))
+                    if ended[i]:
+                        continue
+                    finish = g.finish_reason  # read first: once set, the text is whole
+                    if g.text is not None:
+                        text, ready = g.text.view
+                        piece, seen[i] = text[seen[i]:ready], max(seen[i], ready)
+                    else:
+                        new, seen[i] = g.tokens[seen[i]:], len(g.tokens)
+                        piece = " ".join(map(str, new)) + " " if new else ""
+                    if piece:
+                        yield sse(chunk(i, piece, None))
                     if g.error is not None:
                         yield sse(error_body(g.error.status, g.error.message, g.error.param))
                         yield b"data: [DONE]\n\n"
                         return
-                    if g.finish_reason is not None and not ended[i] and seen[i] == len(g.tokens):
+                    if finish is not None:
                         ended[i] = True
-                        tail = decoders[i].flush() if decoders[i] is not None else ""
-                        yield sse(chunk(i, tail, g.finish_reason))
+                        yield sse(chunk(i, "", finish))
                 if all(ended):
                     break
                 await waiter.next()
@@ -276,7 +378,7 @@ def completions_router(service: EngineService) -> APIRouter:
         out = await generate(request, req, prep, cid, chunk)
         if req.stream:
             return out
-        choices = [{"text": (prep.texts[i] or "") + decode(g.tokens), "index": i, "logprobs": None,
+        choices = [{"text": (prep.texts[i] or "") + text_of(g), "index": i, "logprobs": None,
                     "finish_reason": g.finish_reason, "token_ids": g.tokens} for i, g in enumerate(out)]
         return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                 "usage": usage(prep, out)}
@@ -299,7 +401,7 @@ def completions_router(service: EngineService) -> APIRouter:
             return out
         g = out[0]
         return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": decode(g.tokens)},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text_of(g)},
                              "logprobs": None, "finish_reason": g.finish_reason}],
                 "usage": usage(prep, out)}
 

@@ -10,7 +10,8 @@
 | kvcanary_time_to_first_token_seconds       | histogram | vllm:time_to_first_token_seconds        |
 | kvcanary_e2e_request_latency_seconds       | histogram | vllm:e2e_request_latency_seconds        |
 
-Times run from the moment a request was queued. ``finished_reason`` is ``length`` or ``abort``.
+Times run from the moment a request was queued. ``finished_reason`` is ``length``, ``stop`` (a
+stop string), ``abort`` or ``error`` (failed for reading damaged K/V under the raise policy).
 The gauges are read at scrape time, which runs on the engine thread (between steps).
 """
 
@@ -39,16 +40,18 @@ class EngineMetrics(Collector):
                                          registry=None)
         self.request_success = Counter("kvcanary_request_success", "Requests that left the engine, by how.",
                                        ["finished_reason"], registry=None)
-        for reason in ("length", "abort"):
+        for reason in ("length", "stop", "abort", "error"):
             self.request_success.labels(reason)
         self.ttft = Histogram("kvcanary_time_to_first_token_seconds", "Time to first token, from queueing.",
                               buckets=TTFT_BUCKETS, registry=None)
         self.e2e = Histogram("kvcanary_e2e_request_latency_seconds", "End-to-end request latency, from queueing.",
                              buckets=E2E_BUCKETS, registry=None)
 
-    def finished(self, gen: Generation, status: str) -> None:
-        """Account a generation that left the engine (``finished`` or ``aborted``)."""
-        self.request_success.labels("length" if status == "finished" else "abort").inc()
+    def finished(self, gen: Generation, status: str, reason: str = "length") -> None:
+        """Account a generation that left the engine: ``status`` ``finished`` (``reason``: its
+        finish reason, ``length`` or ``stop``), ``aborted`` or ``failed``."""
+        label = {"finished": reason, "aborted": "abort", "failed": "error"}[status]
+        self.request_success.labels(label).inc()
         if status == "finished":
             if gen.first_token_at is not None:
                 self.ttft.observe(gen.first_token_at - gen.created)

@@ -83,6 +83,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "the body is not valid JSON: " + str(first.get("ctx", {}).get("error", "parse error")), None
+    if first.get("type") == "extra_forbidden":
+        return f"{param}: unknown field; this server does not take it, leave it out", param
     got = first.get("input")
     shown = repr(got)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."

@@ -12,11 +12,16 @@ talks to it through commands and awaits ``Generation`` handles.
 So a route never holds a thread while a generation runs, and an admin read waits at most one
 step. A disconnected or timed-out client's requests are aborted in the engine (``abort``).
 
-Under the raise policy (or when the watchdog fires under raise or recompute) the step that found
-the problem raises; the engine stops stepping, every waiting generation fails with 503 and the
-admin routes keep answering, so the incident can be inspected. Shutdown drains: new requests are
-refused (503), in-flight ones run for ``ServeLimits.drain_s``, then the rest are aborted with a
-clean 503.
+Under the raise policy the requests that read damaged K/V fail (500 naming the violation's
+reasons and launch points, never cached content; a stream ends with an error event) and the
+engine goes on serving the rest (``OnViolation.FAIL_REQUESTS``, the default). With
+``OnViolation.STOP``, or when the watchdog fires under raise or recompute, or on an unexpected
+engine error, the engine stops stepping: every waiting generation fails with 503, later requests
+too, ``/health`` answers 503, and the admin routes keep answering, so the incident can be
+inspected. What a caller without the admin token sees of a failure or a stop names no token id,
+chain, prompt or engine request id; the log has the full violation line. Shutdown drains: new
+requests are refused (503), in-flight ones run for ``ServeLimits.drain_s``, then the rest are
+aborted with a clean 503.
 """
 
 from __future__ import annotations
@@ -29,72 +34,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvcanary.config import CanaryConfig
-from kvcanary.engine.config import EngineConfig, ModelConfig
+from kvcanary.core.record import Reason
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import RequestStatus
+from kvcanary.engine.sampler import SamplingParams
 from kvcanary.errors import CanaryViolation, KVCanaryError
 from kvcanary.faults import FAULTS, Fault
 from kvcanary.faults.hooks import attach_faults
 from kvcanary.runtime.canary import Canary, Recovery, WatchdogTimeout
 from kvcanary.runtime.metrics import CanaryCollector
 from kvcanary.runtime.sweep import SweepRun
-from kvcanary.server.access import AccessConfig
-from kvcanary.server.admin import AdminConfig, AdminTarget, CanaryAdmin
+from kvcanary.server.admin import AdminTarget, CanaryAdmin
+from kvcanary.server.config import OnViolation, ServeConfig, ServeLimits
 from kvcanary.server.engine_metrics import EngineMetrics
 from kvcanary.server.errors import ApiError
+from kvcanary.server.tokenizer import TextOutput
+
+__all__ = ["EngineService", "Generation", "OnViolation", "ServeConfig", "ServeLimits"]
 
 log = logging.getLogger("kvcanary.server")
 _KEEP_REPORTS = 256  # step reports with violations kept by the canary hooks (the admin log keeps more)
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """``max_prompts``: prompts in one request; ``max_tokens``: the largest ``max_tokens``;
-    ``max_queued``: generations in the engine at once (429 beyond); ``request_timeout_s``: a
-    request's time limit (504, aborted); ``drain_s``: how long shutdown lets in-flight requests
-    finish; ``history``: finished requests kept for the admin routes."""
-
-    max_prompts: int = 16
-    max_tokens: int = 1024
-    max_queued: int = 1024
-    request_timeout_s: float = 120.0
-    drain_s: float = 5.0
-    history: int = 1024
-
-    def __post_init__(self):
-        for name in ("max_prompts", "max_tokens", "max_queued", "history"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"ServeLimits.{name} must be an int >= 1, got {value!r}")
-        for name in ("request_timeout_s", "drain_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServeLimits.{name} must be > 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The served engine: model, engine and canary configs, admin and access options, limits,
-    and the model name clients send."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_slots=2048, max_ctx=512,
-                                                                      chunk_size=64, host_tier_slots=1024))
-    canary: CanaryConfig = field(default_factory=CanaryConfig)
-    admin: AdminConfig = field(default_factory=AdminConfig)
-    access: AccessConfig = field(default_factory=AccessConfig)
-    limits: ServeLimits = field(default_factory=ServeLimits)
-    model_name: str = "kv-canary-reference"
-
-    def __post_init__(self):
-        if not self.model_name:
-            raise ValueError("ServeConfig.model_name must be a non-empty string, got ''")
 
 
 class Generation:
@@ -104,11 +67,12 @@ class Generation:
     ``stream``, else only when it ends."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event, client_id: str, prompt_len: int,
-                 max_tokens: int, stream: bool = False):
+                 max_tokens: int, stream: bool = False, text: TextOutput | None = None):
         self.loop, self.changed, self.stream = loop, changed, stream
         self.client_id, self.prompt_len, self.max_tokens = client_id, prompt_len, max_tokens
         self.engine_id = -1
         self.tokens: list[int] = []
+        self.text = text  # its text, cut at a stop string (None: the route decodes ``tokens`` itself)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
         self.created = time.monotonic()
@@ -146,6 +110,7 @@ class EngineService(AdminTarget):
         engine, hooks, fault_hooks = attach_faults(lambda h: Engine(config.model, config.engine, h), config.canary,
                                                    ())
         self.engine, self.hooks, self.fault_hooks = engine, hooks, fault_hooks
+        engine.delivery.keep_log = False  # a server runs for months: nothing may grow with the tokens served
         super().__init__(hooks.canary, threading.RLock())
         self.limits = config.limits
         self.metrics = EngineMetrics(self)
@@ -266,13 +231,27 @@ class EngineService(AdminTarget):
             else:  # idle with tokens held back: read the last reports (a recovery may re-queue requests)
                 self.hooks.flush(self.engine.step_index, keep=True)
                 touched = dict.fromkeys(self.live)
-        except (CanaryViolation, WatchdogTimeout) as e:
-            self.admin.log.add(getattr(e, "violations", []), self.names)  # first: kept before clients hear
-            self._stopped(str(e))
+        except CanaryViolation as e:  # raised at the end of a completed step: its readers failed
+            self.admin.log.add(e.violations, self.names)  # first: kept before clients hear
+            if self.config.on_violation is OnViolation.STOP:
+                self._stopped(f"a KV-cache violation ({violation_summary(e.violations)}) under the raise policy "
+                              "with on_violation 'stop'")
+                log.error("kv_canary server: engine stopped (on_violation stop): %s", e)
+                return
+            log.error("kv_canary server: request(s) %s failed under the raise policy: %s",
+                      ", ".join(str(self.names.get(r, r)) for r in e.request_ids) or "none", e)
+            for rid in e.request_ids:
+                gen = self.live.get(rid)
+                if gen is not None:
+                    self._release(gen, "failed")
+                    gen._fail(ApiError(500, failure_message(e.violations, rid)))
+            touched = dict.fromkeys(self.live)
+        except WatchdogTimeout as e:
+            self._stopped("the canary's watchdog fired: its checks stopped running")
             log.error("kv_canary server: engine stopped: %s", e)
             return
         except Exception as e:  # the engine thread must not die silently
-            self._stopped(f"{type(e).__name__}: {e}")
+            self._stopped(f"an internal error ({type(e).__name__}); the server log has the details")
             log.exception("kv_canary server: engine stopped")
             return
         finally:
@@ -304,11 +283,24 @@ class EngineService(AdminTarget):
                     return
             if gen.first_token_at is None:
                 gen.first_token_at = time.monotonic()
-            gen.tokens.extend(out[n:])
-            self.metrics.generation_tokens.inc(len(out) - n)
+            new = out[n:]
+            if gen.text is not None and gen.text.stops:  # a token at a time: the one that completes a stop ends it
+                new = next((new[: i + 1] for i in range(len(new)) if gen.text.feed(new[i : i + 1])), new)
+            elif gen.text is not None:
+                gen.text.feed(new)
+            gen.tokens.extend(new)
+            self.metrics.generation_tokens.inc(len(new))
+            if gen.text is not None and gen.text.is_stopped:
+                if req.status is not RequestStatus.FINISHED:
+                    self.engine.abort(gen.engine_id)  # nothing more of it is wanted
+                self._release(gen, "finished", "stop")
+                gen._finish("stop")
+                return
             if gen.stream and req.status is not RequestStatus.FINISHED:
                 gen._notify()
         if req.status is RequestStatus.FINISHED and not gen._behind and len(out) == len(req.output_ids):
+            if gen.text is not None:
+                gen.text.finish()
             self._release(gen, "finished")  # first: the engine has forgotten it before the client hears
             gen._finish("length")
 
@@ -318,16 +310,17 @@ class EngineService(AdminTarget):
         self._release(gen, "aborted")
         gen._fail(error)
 
-    def _release(self, gen: Generation, status: str) -> None:
+    def _release(self, gen: Generation, status: str, reason: str = "length") -> None:
         rid = gen.engine_id
         if self.live.pop(rid, None) is None:
             return
         gen.finished_at = gen.finished_at or time.monotonic()
         self.engine.requests.pop(rid, None)
+        self.engine.delivery.forget(rid)
         if len(self._retired) == self._retired.maxlen:
             self.names.pop(self._retired[0], None)
         self._retired.append(rid)
-        self.metrics.finished(gen, status)
+        self.metrics.finished(gen, status, reason)
         ttft = None if gen.first_token_at is None else round(gen.first_token_at - gen.created, 6)
         self.history.append({"request": rid, "client": gen.client_id, "status": status,
                              "prompt_tokens": gen.prompt_len, "completion_tokens": len(gen.tokens),
@@ -347,14 +340,17 @@ class EngineService(AdminTarget):
     # --- requests ----------------------------------------------------------------------------------
 
     async def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int, client_ids: Sequence[str],
-                     stream: bool = False) -> list[Generation]:
+                     stream: bool = False, sampling: SamplingParams | None = None,
+                     texts: Sequence[TextOutput] | None = None) -> list[Generation]:
         """Queue ``prompts`` (token ids) for ``max_tokens`` each, named ``client_ids[i]`` in
-        violations and incidents; ``stream``: wake the route at every token. Raises ApiError:
-        400 for a request the engine refuses, 429 when the queue is full, 503 when the engine
-        stopped or the server drains."""
+        violations and incidents; ``stream``: wake the route at every token; ``sampling``: how
+        each picks its tokens (None: greedy); ``texts[i]``: prompt i's text output (its stop
+        strings end it). Raises ApiError: 400 for a request the engine refuses, 429 when the
+        queue is full, 503 when the engine stopped or the server drains."""
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
-        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream)
-                for p, cid in zip(prompts, client_ids, strict=True)]
+        texts = list(texts) if texts is not None else [None] * len(prompts)
+        gens = [Generation(loop, changed, cid, len(p), max_tokens, stream, text)
+                for p, cid, text in zip(prompts, client_ids, texts, strict=True)]
 
         def add() -> None:
             if self.error is not None:
@@ -367,7 +363,8 @@ class EngineService(AdminTarget):
             added = []
             try:
                 for p, gen in zip(prompts, gens, strict=True):
-                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id)
+                    gen.engine_id = self.engine.add_request(p, max_tokens, request_id=self._next_id,
+                                                            sampling=sampling)
                     self._next_id += 1  # never reused: names and history stay unambiguous
                     added.append(gen)
                     self.live[gen.engine_id] = gen
@@ -441,13 +438,33 @@ class EngineService(AdminTarget):
         known = [r for r in recovery.requests if r in self.engine.requests]
         self.engine.recompute(known, torch.tensor(recovery.slots, dtype=torch.int64), since_step=recovery.since_step)
 
-    def engine_status(self) -> dict:
+    def engine_status(self, reveal: bool = True) -> dict:
+        """The engine's state; without ``reveal`` the recent requests are counts and timings only
+        (no engine or client request ids)."""
         e = self.engine
+        recent = list(self.history)[-10:]
+        if not reveal:
+            recent = [{**r, "request": None, "client": None} for r in recent]
         return {"model": self.config.model_name, "step": e.step_index, "running": len(e.scheduler.running),
                 "waiting": len(e.scheduler.waiting), "free_slots": e.pool.num_free_slots,
                 "in_flight": len(self.live), "draining": self.draining, "stopped": self.error,
-                "known_requests": len(e.requests), "recent_requests": list(self.history)[-10:],
-                "stats": e.stats.as_dict()}
+                "on_violation": self.config.on_violation.value, "known_requests": len(e.requests),
+                "recent_requests": recent, "stats": e.stats.as_dict()}
+
+
+def violation_summary(violations: Sequence, request_id: int | None = None) -> str:
+    """``"fingerprint at TAIL; chain+position at HEAD"``: the reasons and launch points of
+    ``violations`` (those ``request_id`` read, when given), never cached content."""
+    if request_id is not None:
+        violations = [v for v in violations if request_id in v.requests] or violations
+    parts = dict.fromkeys(f"{'+'.join(Reason.names(v.reasons))} at {v.point.name}" for v in violations)
+    return "; ".join(parts) or "no violation row"
+
+
+def failure_message(violations: Sequence, request_id: int) -> str:
+    """The error a request failed under the raise policy ends with."""
+    return (f"the request read damaged KV-cache entries ({violation_summary(violations, request_id)}) and was "
+            "failed under the raise policy; no output computed from the damage was sent; retry it")
 
 
 _JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
