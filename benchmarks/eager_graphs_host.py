@@ -141,7 +141,7 @@ def main(argv=None) -> None:
                 kept = values[len(values) // 4:]
                 scale = 1e3 if part == "device" else 1e6  # device: ms from the events; host: s
                 row[f"{mode} {part} µs"] = round(statistics.median(kept) * scale, 1) if kept else None
-        eager = built[True][0]._eager
+        eager = built[True][0].route.eager
         row["graphs replays"], row["graphs buckets"] = eager.replays, len(eager.graphs)
         rows.append(row)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (interpreted: no GPU figure)'}; medians of "

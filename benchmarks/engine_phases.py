@@ -42,15 +42,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine as be  # noqa: E402
 import kvcanary.engine.engine as engine_module  # noqa: E402
 import kvcanary.ops.check as check_module  # noqa: E402
-import kvcanary.runtime.canary as canary_module  # noqa: E402
+import kvcanary.runtime.forward as forward_module  # noqa: E402
 import kvcanary.runtime.reporting as reporting_module  # noqa: E402
+import kvcanary.runtime.route_triton as route_triton_module  # noqa: E402
+import kvcanary.runtime.sweeping as sweeping_module  # noqa: E402
 from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 
 MODES = ("off", "partial", "none")  # the default modes
 CANARY_CALLS = ("sweep", "prefetch_sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload",
                 "load_back", "rows_landed")
 INNER = ((check_module, "launch_typed"), (check_module.BoundCheck, "__call__"), (check_module.DeviceState, "check"),
-         (canary_module.Canary, "join"), (canary_module.Canary, "_scatter_pending"),
+         (forward_module.Forward, "join"), (route_triton_module.TritonRoute, "join"),
+         (forward_module.Forward, "scatter_pending"),
          (reporting_module.Reporter, "advance"))  # ``--inner``: (owner, name) of each call timed
 HOOKS = ("before_forward", "after_forward", "after_step", "forward_prologue", "forward_epilogue", "before_move",
          "on_offload", "on_load", "on_free")
@@ -62,7 +65,7 @@ def _by_step_kind(canary, record):
     end_step = canary.end_step
 
     def g(step):
-        label = "canary.end_step after " + ("replays" if canary._replays else "eager")
+        label = "canary.end_step after " + ("replays" if canary.route.replays else "eager")
         t = time.perf_counter()
         try:
             return end_step(step)
@@ -145,15 +148,15 @@ def main(argv=None) -> None:
         return timed(build, "build_forward_batch, " + ("decode" if decode else "prefill or mixed"))(plan, *a, **k)
 
     engine_module.build_forward_batch = build_by_kind
-    canary_module.sweep_entries = timed(canary_module.sweep_entries, "sweep_entries")
-    for n in ("_load_sweep_plan", "_staged", "_verify_sweep_plan"):
-        setattr(canary_module.Canary, n, timed(getattr(canary_module.Canary, n), f"Canary.{n}"))
+    sweeping_module.sweep_entries = timed(sweeping_module.sweep_entries, "sweep_entries")
+    for n in ("load", "_staged", "_verify_plan"):
+        setattr(sweeping_module.Sweeper, n, timed(getattr(sweeping_module.Sweeper, n), f"Sweeper.{n}"))
     for n in ("entries", "joined"):
         setattr(sweep_module.RunCache, n, timed(getattr(sweep_module.RunCache, n), f"RunCache.{n}"))
     for owner, n in INNER if args.inner else ():
         label = f"{getattr(owner, '__name__', owner)}.{n}".removeprefix("kvcanary.ops.check.")
         setattr(owner, n, timed(getattr(owner, n), label))
-    graphs_class = getattr(canary_module, "SweepGraphs", None)  # an older tree has none
+    graphs_class = getattr(sweeping_module, "SweepGraphs", None)  # an older tree has none
     for n in ("load", "again") if graphs_class is not None else ():
         setattr(graphs_class, n, timed(getattr(graphs_class, n), f"SweepGraphs.{n}"))
     def stepping(f, m):

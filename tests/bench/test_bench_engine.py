@@ -138,7 +138,7 @@ def test_a_graphs_mode_asks_the_canary_for_eager_graphs(bench):
     """``/graphs``: ``CanaryConfig.eager_graphs`` (which takes effect on CUDA); the other modes leave it off."""
     for mode, graphs in (("partial", False), ("partial/graphs", True), ("none/whole/graphs@4", True)):
         _, hooks = bench.build(mode, "cpu", {}, "micro")
-        assert hooks.canary.config.eager_graphs is graphs and hooks.canary._eager is None
+        assert hooks.canary.config.eager_graphs is graphs and hooks.canary.route.eager is None
 
 
 @pytest.mark.parametrize("mode, message", [
@@ -247,13 +247,13 @@ def test_engine_phases_inner_times_the_canarys_own_calls():
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
     steps = int(rows["Engine.step"][2])
     assert steps > 0 and int(rows["Engine.step"][5]) == steps
-    assert int(rows["Canary.join"][2]) == 0 and int(rows["Canary.join"][5]) > 0  # off, partial: calls a run
+    assert int(rows["Forward.join"][2]) == 0 and int(rows["Forward.join"][5]) > 0  # off, partial: calls a run
     assert "sync" not in rows and "BoundCheck.__call__" not in rows
     plain = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "micro", "--lockstep",
                             "--runs", "1", "--requests", "4", "--modes", "partial"], capture_output=True, text=True,
                            timeout=300)
     assert plain.returncode == 0, plain.stderr
-    assert "Canary.join" not in plain.stdout
+    assert "Forward.join" not in plain.stdout
 
 
 def test_a_readback_modes_on_off_is_against_off_readback(tmp_path):
