@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import kvcanary.runtime.forward as forward_mod
-import kvcanary.runtime.route_cpu as route_cpu_mod
 import kvcanary.runtime.sweeping as sweeping_mod
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import Half
@@ -128,7 +127,7 @@ def test_a_clean_batch_takes_no_op(monkeypatch, appends):
     def refuse(*args, **kwargs):
         raise AssertionError("the op's path was taken")
 
-    for module, name in ((route_cpu_mod, "check_forward"), (forward_mod, "scatter_req_token_ids"),
+    for module, name in ((forward_mod, "check_forward"), (forward_mod, "scatter_req_token_ids"),
                          (sweeping_mod, "verify")):
         monkeypatch.setattr(module, name, refuse)
     canary, _ = _run("bound", 3, damage=False, appends=appends)

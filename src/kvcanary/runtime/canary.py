@@ -35,7 +35,7 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind
 from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable, use_triton
-from kvcanary.ops.fingerprint import FingerprintMode, KVSource, source_meta
+from kvcanary.ops.sources import KVSource, SourceSet
 from kvcanary.ops.state import DeviceState
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.context import CanaryContext, CanaryTotals
@@ -86,15 +86,17 @@ class Canary:
         # records, ring, counter, stats, error flags, check_forward workspaces: one validated object
         self.state = DeviceState.allocate(geometry.num_slots, ring_capacity=config.ring_capacity,
                                           max_bs=config.max_bs, max_tokens=config.max_tokens, device=dev)
-        self.ctx = CanaryContext(config, self.state, {p: LaunchTag(p, pool).value for p in LaunchPoint}, window)
+        # the K/V sources, their fingerprint mode and table, checked once (raises for bad sources)
+        self.kv = SourceSet.build(sources, config.real_kv, geometry.num_slots, dev)
+        self.sources, self.meta = self.kv.list(), self.kv.meta
+        self.ctx = CanaryContext(config, self.state, {p: LaunchTag(p, pool).value for p in LaunchPoint}, window,
+                                 self.kv)
         self.totals, self.incidents = self.ctx.totals, self.ctx.incidents
         self.truth = torch.full((geometry.rows, geometry.max_ctx), -1, dtype=torch.int32, device=dev)
         self.truth_lens = torch.zeros(config.max_bs, dtype=torch.int64, device=dev)
         # HEAD and TAIL are one check_forward call each where a kernel serves; else the ops one by one
         self.backend = fused_backend(config.fused, dev)
         self.fused = self.backend is not None
-        self.sources = list(sources) if config.real_kv is not FingerprintMode.NONE else []
-        self.meta = source_meta(self.sources, config.real_kv, dev) if self.sources else None
         self.reporter = Reporter(self.state.ring, self.state.ring_counter, self.state.stats,
                                  tuple((src.layer, src.half) for src in self.sources), error=self.state.error,
                                  block=self.state.counter_block())
@@ -103,7 +105,7 @@ class Canary:
         self.route = self._route()
         self.marks, self.plan = self.route.marks, self.route.plan
         self.cpu = self.route.compiled if isinstance(self.route, CpuRoute) else None
-        self.sweeper = Sweeper(self.ctx, self.route, self.holds, self.sources, self.meta, self.cpu)
+        self.sweeper = Sweeper(self.ctx, self.route, self.holds, self.cpu)
         self.sweep_plan = self.sweeper.plan
         self.rows = Rows(self.ctx, self.route, self.sweeper)
         self.step_end = StepEnd(self.ctx, self.reporter, self.watchdog, self.route, self.holds, self.cpu)
@@ -115,7 +117,7 @@ class Canary:
 
     def _route(self) -> Forward:
         """The execution path of HEAD and TAIL, chosen once (``runtime.forward``)."""
-        parts = (self.ctx, self.truth, self.truth_lens, self.holds, self.sources, self.meta)
+        parts = (self.ctx, self.truth, self.truth_lens, self.holds)
         if self.backend is Backend.NUMBA:
             return CpuRoute(*parts, self.config.plan_capacity)
         if self.backend is Backend.TRITON:

@@ -1,5 +1,6 @@
-"""What the parts of one Canary share: its config, device state, launch tags, host totals, the
-incidents it tracks and the step being recorded (``StepMeta``, replaced at every ``end_step``)."""
+"""What the parts of one Canary share: its config, device state, launch tags, K/V sources, host
+totals, the incidents it tracks and the step being recorded (``StepMeta``, replaced at every
+``end_step``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint
+from kvcanary.ops.sources import SourceSet
 from kvcanary.ops.state import DeviceState
 from kvcanary.runtime.incidents import IncidentTracker
 from kvcanary.runtime.reporting import StepMeta
@@ -40,6 +42,7 @@ class CanaryContext:
     state: DeviceState
     tags: dict[LaunchPoint, int]
     window: int
+    kv: SourceSet  # the K/V sources covered, their fingerprint mode and table, checked once
     totals: CanaryTotals = field(default_factory=CanaryTotals)
     incidents: IncidentTracker = field(default_factory=IncidentTracker)
     step: StepMeta = field(default_factory=lambda: StepMeta(0))

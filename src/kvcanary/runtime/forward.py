@@ -1,13 +1,14 @@
 """The forward: HEAD before the model runs, TAIL after it, and the token truth they read.
 
-One object per execution path, chosen once when the Canary is built (``choose_route``):
+One object per execution path, chosen once when the Canary is built (``Canary._route``):
 
-| route         | where                                 | HEAD and TAIL                              |
-|---------------|---------------------------------------|--------------------------------------------|
-| ``CpuRoute``  | CPU, numba serving (``fused`` unset)  | one compiled call each (``cpu_forward``)   |
-| ``TritonRoute`` | CUDA (or ``fused=True``: interpreted) | bound launches of ``check_forward``'s kernel, |
-|               |                                       | graph replays, a side stream (``route_triton``) |
-| ``OpsRoute``  | ``fused=False``, or no kernel         | the ops one by one (``route_ops``)         |
+| route           | where                                 | HEAD and TAIL                               |
+|-----------------|---------------------------------------|---------------------------------------------|
+| ``CpuRoute``    | CPU, numba serving (``fused`` unset)  | one compiled call each (``route_cpu``)      |
+| ``TritonRoute`` | CUDA (or ``fused=True``: interpreted) | bound launches of ``check_forward``'s       |
+|                 |                                       | kernel, graph replays, a side stream        |
+|                 |                                       | (``route_triton``)                          |
+| ``OpsRoute``    | ``fused=False``, or no kernel         | the ops one by one (``route_ops``)          |
 
 Every route falls back to the op (``check_forward`` or the ops) for a batch its fast path
 refuses, which raises the error naming the argument. This base holds what every route shares:
@@ -25,7 +26,8 @@ import torch
 
 from kvcanary.core.record import LaunchPoint
 from kvcanary.errors import KVCanaryError
-from kvcanary.ops.backend import HAS_TRITON
+from kvcanary.ops.backend import HAS_TRITON, Backend
+from kvcanary.ops.check import check_forward
 from kvcanary.ops.conflicts import WriteMarks
 from kvcanary.ops.scatter import scatter_req_token_ids, scatter_validated
 from kvcanary.runtime.batch import BatchError, ForwardBatch
@@ -49,12 +51,12 @@ class Forward:
     eager = None  # an eager forward's HEAD and TAIL as graph replays (``TritonRoute``)
     plan = None  # the forward's plan (``OpsRoute``; the fused routes keep theirs in the device state)
 
-    def __init__(self, ctx: CanaryContext, truth: torch.Tensor, truth_lens: torch.Tensor, holds: Holds,
-                 sources: list, meta):
+    def __init__(self, ctx: CanaryContext, truth: torch.Tensor, truth_lens: torch.Tensor, holds: Holds):
         self.ctx, self.config, self.state, self.window = ctx, ctx.config, ctx.state, ctx.window
         self.truth, self.truth_lens = truth, truth_lens
         self._device_index_of_truth = truth.get_device()  # a batch's device is compared as this int
-        self.holds, self.sources, self.meta = holds, sources, meta
+        self.holds, self.kv = holds, ctx.kv
+        self.sources, self.meta = ctx.kv.list(), ctx.kv.meta  # for the ops that take them one by one
         self.marks = WriteMarks.allocate(ctx.state.num_slots, ctx.state.device)  # HEAD's write-conflict check
         self.on_cuda = ctx.state.device.type == "cuda"
         self.scatter_for: ForwardBatch | None = None  # the batch whose truth scatter HEAD's launch takes
@@ -69,9 +71,26 @@ class Forward:
         self.tail_current = False
 
     def launch_head(self, b: ForwardBatch) -> None:
-        raise NotImplementedError
+        """HEAD's launches (``Canary.launch_head``), timed into the totals: the route's ``_head``
+        (a route whose every µs counts writes this method out instead)."""
+        if not self.config.enabled:
+            return
+        t0 = time.perf_counter()
+        self._head(b, self.ctx.tags[LaunchPoint.HEAD])
+        self.ctx.totals.seconds += time.perf_counter() - t0
 
     def tail(self, b: ForwardBatch) -> None:
+        """TAIL (``Canary.tail``), timed into the totals: the route's ``_tail``."""
+        if not self.config.enabled:
+            return
+        t0 = time.perf_counter()
+        self._tail(b, self.ctx.tags[LaunchPoint.TAIL])
+        self.ctx.totals.seconds += time.perf_counter() - t0
+
+    def _head(self, b: ForwardBatch, tag: int) -> None:
+        raise NotImplementedError
+
+    def _tail(self, b: ForwardBatch, tag: int) -> None:
         raise NotImplementedError
 
     def start_tail(self, b: ForwardBatch) -> None:
@@ -154,6 +173,16 @@ class Forward:
                             if getattr(b, n) is t)
                 raise BatchError(f"ForwardBatch.{name} must be contiguous (got strides {t.stride()}); "
                                  f"pass {name}.contiguous()")
+
+    def check_op(self, b: ForwardBatch, tag: int, stamp: bool, truth: bool, backend: Backend, **extra) -> None:
+        """HEAD (``stamp``) or TAIL of ``b`` through ``check_forward``, for a batch the route's fast
+        path refused (the op raises the error naming the argument); ``truth``: against the token
+        truth; ``extra``: the sources, marks and held slots, as the route passes them."""
+        check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
+                      extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
+                      positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=stamp,
+                      truth=self.truth if truth else None, truth_lens=self.truth_lens[:b.batch_size] if truth else None,
+                      lut=self.lut(b), window=self.window, backend=backend, **extra)
 
     def use_truth(self, b: ForwardBatch) -> bool:
         return self.config.truth and b.truth_offsets is not None

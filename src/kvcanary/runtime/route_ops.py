@@ -4,11 +4,8 @@ verifies the plan again with fingerprints, checks the writes landed, fingerprint
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from kvcanary.core.record import LaunchPoint
 from kvcanary.ops.conflicts import check_writes
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.gather import gather_expected_tokens
@@ -24,16 +21,13 @@ class OpsRoute(Forward):
     """HEAD and TAIL through the ops (see the module doc); ``plan``: the forward's plan, which
     TAIL verifies again. On CUDA the truth scatter is a launch of its own, made with HEAD."""
 
-    def __init__(self, ctx, truth, truth_lens, holds, sources, meta):
-        super().__init__(ctx, truth, truth_lens, holds, sources, meta)
+    def __init__(self, ctx, truth, truth_lens, holds):
+        super().__init__(ctx, truth, truth_lens, holds)
         self.truth_with_head = self.on_cuda
         self.plan = Plan.allocate(ctx.config.plan_capacity, ctx.config.max_bs, ctx.state.device)
 
-    def launch_head(self, b: ForwardBatch) -> None:
-        if not self.config.enabled:
-            return
-        t0 = time.perf_counter()
-        bs, tag = b.batch_size, self.ctx.tags[LaunchPoint.HEAD]
+    def _head(self, b: ForwardBatch, tag: int) -> None:
+        bs = b.batch_size
         given = self.scatter_for is b
         if self.scatter_for is not None:
             self.scatter_pending()
@@ -60,22 +54,15 @@ class OpsRoute(Forward):
               req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens, write_offsets=woff,
               seed=self.plan.seed[:bs], tag=tag, expected_tokens=expected, lut=lut)
         mark_writes(state=state, out_cache_loc=b.out_cache_loc, sources=self.sources, lut=lut)
-        self.ctx.totals.seconds += time.perf_counter() - t0
 
-    def tail(self, b: ForwardBatch) -> None:
-        if not self.config.enabled:
-            return
-        t0 = time.perf_counter()
-        tag = self.ctx.tags[LaunchPoint.TAIL]
-        verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
-               meta=self.meta)
+    def _tail(self, b: ForwardBatch, tag: int) -> None:
+        verify(state=self.state, plan=self.plan, tag=tag, sources=self.kv)
         if self.sources:  # a write target still marked gets no fingerprint (ops.landed)
             landed = check_writes_landed(state=self.state, out_cache_loc=b.out_cache_loc, input_ids=b.input_ids,
                                          positions=b.positions, sources=self.sources, tag=tag, lut=self.lut(b))
             written = self.written(b)
-            fingerprint(slots=torch.where(landed, written, torch.zeros_like(written)), sources=self.sources,
-                        mode=self.config.real_kv, state=self.state, record=True, meta=self.meta)
-        self.ctx.totals.seconds += time.perf_counter() - t0
+            fingerprint(slots=torch.where(landed, written, torch.zeros_like(written)), sources=self.kv,
+                        mode=self.kv.mode, state=self.state, record=True)
 
     def _warm_sizes(self) -> list[int]:
         """The ops specialise their segment search on the batch size's bit length: one size each."""

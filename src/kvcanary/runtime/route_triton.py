@@ -1,5 +1,5 @@
 """The Triton route: HEAD and TAIL as bound launches of ``check_forward``'s kernel
-(``ops.check.BoundCheck``: the canary's own arguments checked once), on CUDA or, with
+(``ops.bound.BoundCheck``: the canary's own arguments checked once), on CUDA or, with
 ``fused=True``, interpreted on the CPU.
 
 Where the route goes further, decided here once:
@@ -28,9 +28,8 @@ from kvcanary.config import Overlap
 from kvcanary.core.record import LaunchPoint
 from kvcanary.errors import KVCanaryError
 from kvcanary.ops.backend import Backend
-from kvcanary.ops.check import BatchMemo, BoundCheck, check_forward
-from kvcanary.ops.fingerprint import FingerprintMode
-from kvcanary.ops.landed import BoundMarks, mark_writes
+from kvcanary.ops.bound import BatchMemo, BoundCheck, BoundMarks
+from kvcanary.ops.landed import mark_writes
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.eager_graphs import EagerGraphs
 from kvcanary.runtime.forward import Forward
@@ -44,8 +43,8 @@ class TritonRoute(Forward):
 
     truth_with_head = True
 
-    def __init__(self, ctx, truth, truth_lens, holds, sources, meta, reporter: Reporter):
-        super().__init__(ctx, truth, truth_lens, holds, sources, meta)
+    def __init__(self, ctx, truth, truth_lens, holds, reporter: Reporter):
+        super().__init__(ctx, truth, truth_lens, holds)
         config, dev = ctx.config, ctx.state.device
         self.reporter = reporter
         # a graph that captures TAIL also publishes the counters (runtime.snapshots): no copy per replay
@@ -64,8 +63,8 @@ class TritonRoute(Forward):
         self.bound = self._bind_checks()
         self.folds_scatter = self.bound is not None and "head" in self.bound
         self._bound_marks = None  # the side stream's HEAD: its write marks, on the model's stream
-        if self.bound is not None and self.side is not None and sources:
-            self._bound_marks = BoundMarks(ctx.state, sources, meta, config.real_kv)
+        if self.bound is not None and self.side is not None and self.sources:
+            self._bound_marks = BoundMarks(ctx.state, self.sources, self.meta, config.real_kv)
         # an eager forward's HEAD and TAIL on the current stream as graph replays (on the CPU, the Triton
         # kernel interpreted, as launches over the same buckets)
         self.eager: EagerGraphs | None = None
@@ -83,17 +82,17 @@ class TritonRoute(Forward):
         memo = BatchMemo()  # a forward's TAIL finds its batch laid out as its HEAD found it
 
         def bind(stamp: bool, sources, publication=None) -> BoundCheck:
-            return BoundCheck(self.state, stamp=stamp, sources=sources, mode=self.config.real_kv, meta=self.meta,
+            return BoundCheck(self.state, stamp=stamp, sources=sources, mode=self.config.real_kv,
                               window=self.window, marks=self.marks if stamp else None, truth=self.truth,
                               truth_lens=self.truth_lens, memo=memo, publication=publication)
 
         pub = self.reporter.publication if self.publishing else None
         try:  # an eager TAIL publishes the counters from its own launch (``end_step`` then launches none)
-            bound = {"tail": bind(False, self.sources, (pub.seq, pub.rows) if pub is not None else None)}
+            bound = {"tail": bind(False, self.kv, (pub.seq, pub.rows) if pub is not None else None)}
             if self.side is not None:
                 bound["side_head"] = bind(True, ())
             if self.side is None or not self.side_eager:
-                bound["head"] = bind(True, self.sources)
+                bound["head"] = bind(True, self.kv)
             return bound
         except KVCanaryError:
             return None
@@ -111,19 +110,6 @@ class TritonRoute(Forward):
                              b.positions, b.out_cache_loc, tag=tag, truth=truth,
                              lut=b.slot_lut if self.window else None, held_words=held,
                              publish=publish, truth_ids=ids, truth_offsets=offsets, truth_starts=starts)
-
-    def _check_op(self, b: ForwardBatch, tag: int, stamp: bool, truth, held=None, side: bool = False) -> None:
-        """HEAD (``stamp``, with the counted ``held`` words; ``side``: on the side stream, marking
-        no source) or TAIL of ``b`` through ``check_forward``, for a batch the bound launch refused
-        (it raises the error)."""
-        sources, mode = ((), FingerprintMode.NONE) if side else (self.sources, self.config.real_kv)
-        check_forward(state=self.state, req_pool_indices=b.req_pool_indices, prefix_lens=b.prefix_lens,
-                      extend_lens=b.extend_lens, req_to_token=b.req_to_token, input_ids=b.input_ids,
-                      positions=b.positions, out_cache_loc=b.out_cache_loc, tag=tag, stamp=stamp, truth=truth,
-                      truth_lens=self.truth_lens[:b.batch_size] if truth is not None else None, sources=sources,
-                      mode=mode, meta=None if side else self.meta, lut=self.lut(b),
-                      window=self.window, marks=self.marks if stamp else None, held_words=held,
-                      backend=Backend.TRITON)
 
     def _on_side(self, capturing: bool | None = None) -> bool:
         """Whether this forward's HEAD and TAIL go to the side stream (``CanaryConfig.overlap``);
@@ -193,7 +179,8 @@ class TritonRoute(Forward):
         if not self._checked(b, tag, "head", truth is not None, held, scatter=fold):
             if fold:
                 self.scatter_device(b)
-            self._check_op(b, tag, True, truth, held)
+            self.check_op(b, tag, True, truth is not None, Backend.TRITON, sources=self.kv, marks=self.marks,
+                              held_words=held)
         if not capturing:  # a capture consumes nothing now: the count stays for its replay or ``end_step``
             holds.held = None
 
@@ -206,7 +193,7 @@ class TritonRoute(Forward):
         lut, held = self.lut(b), self.holds.now(capturing)  # the counted words
         with torch.cuda.stream(self.fork()):  # checks every input before it launches anything
             if not self._checked(b, tag, "side_head", truth is not None, held):
-                self._check_op(b, tag, True, truth, held, side=True)
+                self.check_op(b, tag, True, truth is not None, Backend.TRITON, marks=self.marks, held_words=held)
         if not capturing:
             self.holds.held = None
         if self.sources and not (self._bound_marks is not None and self._bound_marks(b.out_cache_loc, lut)):
@@ -232,7 +219,7 @@ class TritonRoute(Forward):
         tag, truth = self.ctx.tags[LaunchPoint.TAIL], self.config.truth and b.truth_offsets is not None
         if not self._checked(b, tag, "tail", truth, publish=publish):
             publish = False
-            self._check_op(b, tag, False, self.truth if truth else None)
+            self.check_op(b, tag, False, truth, Backend.TRITON, sources=self.kv)
         if self.publishing and capturing:
             self.reporter.publish()  # each replay hands end_step its counters
             return

@@ -23,8 +23,9 @@ import torch
 
 from kvcanary.core.record import RECORD_BYTES, LaunchPoint
 from kvcanary.errors import KVCanaryError
+from kvcanary.ops.bound import BoundVerify
 from kvcanary.ops.plan import Plan
-from kvcanary.ops.verify import BoundVerify, verify
+from kvcanary.ops.verify import verify
 from kvcanary.runtime.context import CanaryContext
 from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.forward import Forward
@@ -57,11 +58,10 @@ class Sweeper:
     before the plan is touched; ``cpu``: the compiled CPU path, where the route has one;
     ``bound``: the route's bound checks (CUDA: the sweep's verify is bound too)."""
 
-    def __init__(self, ctx: CanaryContext, forward: Forward, holds: Holds, sources: list, meta,
-                 cpu: CpuForward | None = None):
+    def __init__(self, ctx: CanaryContext, forward: Forward, holds: Holds, cpu: CpuForward | None = None):
         config, state = ctx.config, ctx.state
         self.ctx, self.config, self.state, self.forward, self.holds = ctx, config, state, forward, holds
-        self.sources, self.meta, self.cpu = sources, meta, cpu
+        self.kv, self.cpu = ctx.kv, cpu
         dev = state.device
         self.plan = Plan.allocate(config.plan_capacity, 1, dev)
         self.plan.enable.fill_(1)  # a sweep plan never overflows: its loads cap the count
@@ -82,12 +82,12 @@ class Sweeper:
         self._staging_read = torch.Event(device=dev) if on_cuda else None  # recorded on the current stream in C++
         self.graphs: SweepGraphs | None = None  # the plan's load and verify as graphs (``warm_up``)
         # CUDA with the bound checks: the verify with its plan checked once, the six entry columns as one block
-        self.bound_verify = BoundVerify(state, self.plan, sources, config.real_kv, meta) \
+        self.bound_verify = BoundVerify(state, self.plan, ctx.kv) \
             if forward.bound is not None and on_cuda else None
         self.block = self.plan.entry_columns() if on_cuda else None
 
     def entry_bytes(self) -> int:
-        fp = sum(4 * s.words_read(self.config.real_kv) for s in self.sources)
+        fp = sum(4 * s.words_read(self.kv.mode) for s in self.kv.sources)
         return 2 * RECORD_BYTES + 16 + fp
 
     def sweep(self, runs: Sequence[SweepRun], budget_bytes: int | None = None, hold: bool = False) -> int:
@@ -228,8 +228,7 @@ class Sweeper:
             self.bound_verify(tag)
         else:
             self.plan.enable.fill_(1)
-            verify(state=self.state, plan=self.plan, tag=tag, sources=self.sources, mode=self.config.real_kv,
-                   meta=self.meta)
+            verify(state=self.state, plan=self.plan, tag=tag, sources=self.kv)
 
     def _staged(self, cols) -> torch.Tensor:
         """The sweep plan's first five entry columns packed in pinned host words, int32[5n] (``cols``:
