@@ -41,7 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine as be  # noqa: E402
 import kvcanary.engine.engine as engine_module  # noqa: E402
-import kvcanary.ops.check as check_module  # noqa: E402
+import kvcanary.ops.bound as bound_module  # noqa: E402
+import kvcanary.ops.check_launch as launch_module  # noqa: E402
+import kvcanary.ops.state as state_module  # noqa: E402
 import kvcanary.runtime.forward as forward_module  # noqa: E402
 import kvcanary.runtime.reporting as reporting_module  # noqa: E402
 import kvcanary.runtime.route_triton as route_triton_module  # noqa: E402
@@ -51,7 +53,7 @@ from kvcanary.runtime import sweep as sweep_module  # noqa: E402
 MODES = ("off", "partial", "none")  # the default modes
 CANARY_CALLS = ("sweep", "prefetch_sweep", "hold", "prepare_head", "end_step", "launch_head", "tail", "offload",
                 "load_back", "rows_landed")
-INNER = ((check_module, "launch_typed"), (check_module.BoundCheck, "__call__"), (check_module.DeviceState, "check"),
+INNER = ((launch_module, "launch_typed"), (bound_module.BoundCheck, "__call__"), (state_module.DeviceState, "check"),
          (forward_module.Forward, "join"), (route_triton_module.TritonRoute, "join"),
          (forward_module.Forward, "scatter_pending"),
          (reporting_module.Reporter, "advance"))  # ``--inner``: (owner, name) of each call timed
@@ -154,7 +156,7 @@ def main(argv=None) -> None:
     for n in ("entries", "joined"):
         setattr(sweep_module.RunCache, n, timed(getattr(sweep_module.RunCache, n), f"RunCache.{n}"))
     for owner, n in INNER if args.inner else ():
-        label = f"{getattr(owner, '__name__', owner)}.{n}".removeprefix("kvcanary.ops.check.")
+        label = f"{getattr(owner, '__name__', owner)}.{n}".removeprefix("kvcanary.ops.check_launch.")
         setattr(owner, n, timed(getattr(owner, n), label))
     graphs_class = getattr(sweeping_module, "SweepGraphs", None)  # an older tree has none
     for n in ("load", "again") if graphs_class is not None else ():
