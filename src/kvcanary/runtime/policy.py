@@ -2,12 +2,15 @@
 
 ``log`` keeps serving (the lines and metrics are the reporter's); ``raise`` raises
 ``CanaryViolation`` (``WatchdogTimeout`` for a watchdog alarm); ``recompute`` hands the engine a
-``Recovery``: the requests to re-prefill and the slots to quarantine.
+``Recovery``: the requests to re-prefill and the slots to quarantine. One decision (``decide``)
+serves a canary's report and the ranks' agreement; recoveries of several pools or ranks merge
+into one (``merge_recoveries``); an engine applies one through a single call of its own
+(``Engine.apply_recovery`` for the reference engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcanary.config import Policy
@@ -38,19 +41,50 @@ class Recovery:
     since_step: int
 
 
-def decide(policy: Policy, violations: Sequence, alarms: Sequence) -> Recovery | None:
-    """What ``policy`` makes of a report's ``violations`` (``Violation``) and watchdog ``alarms``:
-    raises ``WatchdogTimeout`` for an alarm under raise and recompute, ``CanaryViolation`` for a
-    violation under raise; under recompute the ``Recovery`` of the violations; else None."""
-    if alarms and policy in (Policy.RAISE, Policy.RECOMPUTE):
-        raise WatchdogTimeout("; ".join(a.line() for a in alarms))
-    if not violations:
+def acts(policy: Policy) -> bool:
+    """Whether ``policy`` acts on what the checks found (raise, recompute); log and off do not."""
+    return policy in (Policy.RAISE, Policy.RECOMPUTE)
+
+
+def decide(policy: Policy, *, alarm: str | None, damage: str | None, violations: Sequence,
+           recovery: Callable[[], Recovery]) -> Recovery | None:
+    """The policy's decision, for a canary's report and for the ranks' agreement alike: under
+    raise and recompute an ``alarm`` (the watchdog's line; None: none fired) raises
+    ``WatchdogTimeout``; then ``damage`` (the line naming what was found; None: nothing) raises
+    ``CanaryViolation`` carrying ``violations`` under raise, and under recompute gives
+    ``recovery()``. Log and off: None."""
+    if not acts(policy):
+        return None
+    if alarm is not None:
+        raise WatchdogTimeout(alarm)
+    if damage is None:
         return None
     if policy is Policy.RAISE:
-        first = violations[0]
-        raise CanaryViolation(f"{len(violations)} KV-cache violation(s); first: {first.line()}", violations)
-    if policy is Policy.RECOMPUTE:
-        reqs = tuple(dict.fromkeys(r for v in violations for r in v.requests))
-        slots = tuple(sorted({v.slot for v in violations if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY}))
-        return Recovery(reqs, slots, min(v.step for v in violations))
-    return None
+        raise CanaryViolation(damage, violations)
+    return recovery()
+
+
+def decide_report(policy: Policy, violations: Sequence, alarms: Sequence) -> Recovery | None:
+    """``decide`` on one canary's report: its ``violations`` (``Violation``) and watchdog ``alarms``."""
+    alarm = "; ".join(a.line() for a in alarms) if alarms else None
+    damage = f"{len(violations)} KV-cache violation(s); first: {violations[0].line()}" if violations else None
+    return decide(policy, alarm=alarm, damage=damage, violations=violations,
+                  recovery=lambda: recovery_of(violations))
+
+
+def recovery_of(violations: Sequence) -> Recovery:
+    """The requests the ``violations`` name (in order, each once), the slots to quarantine (bad
+    entries name none), from the earliest step that reported them."""
+    reqs = tuple(dict.fromkeys(r for v in violations for r in v.requests))
+    slots = tuple(sorted({v.slot for v in violations if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY}))
+    return Recovery(reqs, slots, min(v.step for v in violations))
+
+
+def merge_recoveries(*recoveries: Recovery | None) -> Recovery | None:
+    """One recovery of several (None ones left out): every request, in order, each once; every
+    slot, sorted, each once; from the earliest step. One alone is returned as it is."""
+    given = [r for r in recoveries if r is not None]
+    if len(given) < 2:
+        return given[0] if given else None
+    return Recovery(tuple(dict.fromkeys(q for r in given for q in r.requests)),
+                    tuple(sorted({s for r in given for s in r.slots})), min(r.since_step for r in given))

@@ -18,7 +18,7 @@ from kvcanary.runtime.cpu_forward import CpuForward
 from kvcanary.runtime.forward import Forward
 from kvcanary.runtime.holds import Holds
 from kvcanary.runtime.incidents import Incident
-from kvcanary.runtime.policy import Recovery, decide
+from kvcanary.runtime.policy import Recovery, decide_report
 from kvcanary.runtime.reporting import Reporter, StepMeta, Violation
 from kvcanary.runtime.watchdog import Watchdog, WatchdogAlarm
 
@@ -103,7 +103,7 @@ class StepEnd:
         return report
 
     def apply_policy(self, report: StepReport) -> None:
-        report.recovery = decide(self.ctx.config.policy, report.violations, report.alarms)
+        report.recovery = decide_report(self.ctx.config.policy, report.violations, report.alarms)
         if report.recovery is not None:
             self.ctx.totals.recomputed_requests += len(report.recovery.requests)
 

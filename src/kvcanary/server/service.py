@@ -438,8 +438,7 @@ class EngineService(AdminTarget):
                 for i in self.fault_hooks.injections]
 
     def recover(self, recovery: Recovery) -> None:
-        known = [r for r in recovery.requests if r in self.engine.requests]
-        self.engine.recompute(known, torch.tensor(recovery.slots, dtype=torch.int64), since_step=recovery.since_step)
+        self.engine.apply_recovery(recovery)
 
     def engine_status(self) -> dict:
         e = self.engine
