@@ -6,13 +6,13 @@ carries the chain across write blocks."""
 from __future__ import annotations
 
 from kvcanary.ops._common import tl, triton
-from kvcanary.ops._jit import find_segment, link64, seg_add
+from kvcanary.ops._jit import find_segment, seg_add
 from kvcanary.ops.conflicts import conflict_lanes, epoch_key, mark_slots
 from kvcanary.ops.fingerprint import fold_sources
 from kvcanary.ops.landed import landed_lanes, mark_lanes
 from kvcanary.ops.plan import _translate
 from kvcanary.ops.publish import publish_row
-from kvcanary.ops.stamp import stamp_lanes
+from kvcanary.ops.stamp import block_links, block_targets, stamp_lanes
 from kvcanary.ops.verify import check_entries
 
 
@@ -203,12 +203,7 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
     t = block_start + lane
     live = t < n
     if STAMP:
-        r = find_segment(woff_ptr + 1, t, bs, NBITS)
-        has = live & (r < bs)
-        start = tl.load(woff_ptr + r, mask=has, other=0)
-        ids = tl.load(ids_ptr + t, mask=live, other=0)
-        pos = tl.load(pos_ptr + t, mask=live, other=0)
-        lk = tl.where(has, link64(ids, pos), 0)
+        r, has, start, ids, pos, lk = block_links(woff_ptr, ids_ptr, pos_ptr, t, live, bs, NBITS)
         is_start = has & (t == start)
         flag = (is_start | (lane == 0)).to(tl.int32)
         _, incl = tl.associative_scan((flag, lk), 0, seg_add)
@@ -237,11 +232,7 @@ def _write_block(words_ptr, rpi_ptr, prefix_ptr, ids_ptr, pos_ptr, loc_ptr, lut_
             tl.atomic_or(err_ptr, 4)
         has = tl.where(found != 0, has, tl.zeros_like(has))
         excl += tl.where((r == r0) & open_seg, carry, 0)
-        loc = tl.load(loc_ptr + t, mask=live, other=0)
-        slot = loc
-        if HAS_LUT:
-            slot = _translate(loc, lut_ptr, lut_len, True)
-        row = tl.load(rpi_ptr + r, mask=has, other=0)
+        loc, slot, row = block_targets(loc_ptr, lut_ptr, rpi_ptr, t, live, r, has, lut_len, HAS_LUT)
         exp_tok = ids
         if HAS_TRUTH:  # gather_expected_tokens, inline
             p_w = tl.load(prefix_ptr + r, mask=has, other=0) + (t - start)
