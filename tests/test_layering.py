@@ -22,7 +22,7 @@ ALLOWED = {
     "errors": {"errors"},
     "core": BASE,
     "ops": BASE | {"ops"},
-    "config": BASE | {"ops", "config"},
+    "config": BASE | {"config"},
     "runtime": BASE | {"ops", "config", "runtime"},
     "distributed": BASE | {"ops", "config", "runtime", "distributed"},
     "engine": BASE | {"ops", "config", "runtime", "distributed", "engine"},

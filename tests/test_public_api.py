@@ -9,11 +9,11 @@ import sys
 import kvcanary
 import kvcanary.ops
 
-ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "ForwardBatch", "Half", "Incident", "KVSource",
-              "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery", "StepReport",
-              "SweepRun", "Violation", "__version__"]
+ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "FingerprintMode", "ForwardBatch", "Half", "Incident",
+              "KVSource", "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery",
+              "StepReport", "SweepRun", "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "BoundCheck", "BoundMarks", "BoundVerify", "DeviceFlag", "DeviceState",
-             "FingerprintMode", "KVSource", "Plan", "Workspace",
+             "FingerprintMode", "KVSource", "Plan", "SourceSet", "Workspace",
              "build_plan", "check_forward", "check_writes", "check_writes_landed", "fingerprint",
              "gather_expected_tokens", "mark_writes", "offsets_from_lengths", "scatter_req_token_ids", "stamp",
              "verify"]

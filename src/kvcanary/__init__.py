@@ -18,18 +18,19 @@ _EXPORTS = {
     "Canary": "kvcanary.runtime.canary",
     "CanaryConfig": "kvcanary.config",
     "CanaryViolation": "kvcanary.errors",
+    "FingerprintMode": "kvcanary.core.record",
     "ForwardBatch": "kvcanary.runtime.batch",
     "Half": "kvcanary.core.record",
     "Incident": "kvcanary.runtime.incidents",
-    "KVSource": "kvcanary.ops.fingerprint",
+    "KVSource": "kvcanary.ops.sources",
     "LaunchPoint": "kvcanary.core.record",
     "Overlap": "kvcanary.config",
     "Policy": "kvcanary.config",
     "PoolGeometry": "kvcanary.runtime.canary",
     "PoolKind": "kvcanary.core.record",
     "Reason": "kvcanary.core.record",
-    "Recovery": "kvcanary.runtime.canary",
-    "StepReport": "kvcanary.runtime.canary",
+    "Recovery": "kvcanary.runtime.policy",
+    "StepReport": "kvcanary.runtime.step_end",
     "SweepRun": "kvcanary.runtime.sweep",
     "Violation": "kvcanary.runtime.reporting",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "Canary",
     "CanaryConfig",
     "CanaryViolation",
+    "FingerprintMode",
     "ForwardBatch",
     "Half",
     "Incident",
@@ -57,13 +59,15 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvcanary.config import CanaryConfig, Overlap, Policy
-    from kvcanary.core.record import Half, LaunchPoint, PoolKind, Reason
+    from kvcanary.core.record import FingerprintMode, Half, LaunchPoint, PoolKind, Reason
     from kvcanary.errors import CanaryViolation
-    from kvcanary.ops.fingerprint import KVSource
+    from kvcanary.ops.sources import KVSource
     from kvcanary.runtime.batch import ForwardBatch
-    from kvcanary.runtime.canary import Canary, PoolGeometry, Recovery, StepReport
+    from kvcanary.runtime.canary import Canary, PoolGeometry
     from kvcanary.runtime.incidents import Incident
+    from kvcanary.runtime.policy import Recovery
     from kvcanary.runtime.reporting import Violation
+    from kvcanary.runtime.step_end import StepReport
     from kvcanary.runtime.sweep import SweepRun
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvcanary.core.record import Half
+from kvcanary.core.record import MAX_SOURCES, FingerprintMode, Half
 from kvcanary.errors import ConfigError
-from kvcanary.ops.fingerprint import MAX_SOURCES, FingerprintMode
 
 
 class Overlap(enum.Enum):

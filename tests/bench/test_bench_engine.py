@@ -137,7 +137,7 @@ def test_a_graphs_mode_asks_the_canary_for_eager_graphs(bench):
     """``/graphs``: ``CanaryConfig.eager_graphs`` (which takes effect on CUDA); the other modes leave it off."""
     for mode, graphs in (("partial", False), ("partial/graphs", True), ("none/whole/graphs@4", True)):
         _, hooks = bench.build(mode, "cpu", {}, "micro")
-        assert hooks.canary.config.eager_graphs is graphs and hooks.canary._eager is None
+        assert hooks.canary.config.eager_graphs is graphs and hooks.canary.route.eager is None
 
 
 @pytest.mark.parametrize("mode, message", [

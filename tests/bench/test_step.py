@@ -10,7 +10,16 @@ from typer.testing import CliRunner
 from kvcanary.bench.floors import StepShape
 from kvcanary.bench.step import MODEL
 from kvcanary.bench.step_model import Decoder, DecoderShape, StepAttention, rms_norm, rope_store, silu_mul
-from kvcanary.bench.step_parts import StepBatch, StepCost, build_canary, phase_floor_us, pool_pages, step_cost
+from kvcanary.bench.step_parts import (
+    StepBatch,
+    StepCost,
+    activation_bytes,
+    build_canary,
+    fits,
+    phase_floor_us,
+    pool_pages,
+    step_cost,
+)
 from kvcanary.cli import app
 from kvcanary.ops.fingerprint import FingerprintMode
 
@@ -53,6 +62,24 @@ def test_page_table_is_distinct_pages():
     b = sb.step
     assert b.positions.tolist() == [37] * 3 and torch.equal(b.out_cache_loc, sb.table[1:, 37].long())
     assert sb.fill.extend_lens.tolist() == [37] * 3 and sb.fill.input_ids.numel() == 111
+
+
+def test_each_shape_sizes_its_own_pool_and_one_that_does_not_fit_is_named():
+    """``bench step`` sizes the pool per shape: an 80 GB card with 16 GB of weights holds the
+    pool of a 64 x 4096 decode but not the 68.8 GB one of a 16 x 32768 decode, which is skipped
+    with a line that names it; the model's pool follows the size asked."""
+    model, gb = DecoderShape(), 10**9
+    free = 80 * gb - 16 * gb
+    small, large = StepShape.decode(64, 4096), StepShape.decode(16, 32768)
+    sizes = {s: pool_pages([s], 16) * 16 * model.kv_bytes_per_token for s in (small, large)}
+    assert round(sizes[large] / gb, 1) == 68.8 and sizes[small] < 35 * gb
+    assert fits(model, small, sizes[small], free) is None
+    line = fits(model, large, sizes[large], free)
+    assert line.startswith(f"skip      {large.label} ") and "68.8 GB of K/V" in line and "64.0 GB free" in line
+    assert 0 < activation_bytes(model, small) < activation_bytes(model, StepShape.prefill(16384, 4))
+    tiny = Decoder(TINY, 24, "cpu", torch.Generator().manual_seed(0), dtype=torch.float32)
+    tiny.allocate_pool(40)
+    assert tiny.num_slots == 40 and all(b.shape == (40, 2, 16) for b in tiny.k_buffers + tiny.v_buffers)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

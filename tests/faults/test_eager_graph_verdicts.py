@@ -52,8 +52,8 @@ def _run(setup, make_fault, graphs: bool, where: str):
     fault = make_fault()
     run = drive(_placed(setup, graphs, where), [fault])
     violations = [v for r in run.hooks.reports for v in r.violations] + run.final
-    replays = sum(c._eager.replays for c in (run.hooks.canary, run.hooks.window_canary)
-                  if c is not None and c._eager is not None)
+    replays = sum(c.route.eager.replays for c in (run.hooks.canary, run.hooks.window_canary)
+                  if c is not None and c.route.eager is not None)
     return (sorted((v.step, v.slot, v.point.name, int(v.reasons)) for v in violations),
             sorted(tuple(d) for d in run.engine.delivery.log), replays, judge(fault, fault.injections, violations))
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from kvcanary.core.record import LaunchPoint
 from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import Backend
-from kvcanary.ops.check import BoundCheck, check_forward
+from kvcanary.ops.bound import BoundCheck
+from kvcanary.ops.check import check_forward
 from kvcanary.ops.fingerprint import FingerprintMode, source_meta
 from kvcanary.ops.scatter import _scatter_torch, scatter_req_token_ids
 from kvcanary.ops.state import COUNTER_BLOCK_WORDS, DeviceState, Workspace
@@ -417,7 +418,7 @@ def _addresses(batch: tuple, lut) -> list:
 
 @pytest.mark.parametrize("with_lut", [False, True])
 def test_the_batch_memo_takes_the_same_tensors_at_the_same_addresses_only(with_lut):
-    from kvcanary.ops.check import BatchMemo
+    from kvcanary.ops.bound import BatchMemo
 
     gen = torch.Generator().manual_seed(11)
     batch = _memo_batch(gen, "cpu")
@@ -447,7 +448,7 @@ def test_the_batch_memo_takes_the_same_tensors_at_the_same_addresses_only(with_l
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the memo serves device batches")
 def test_a_tail_after_its_head_reads_no_layout_again_and_gives_check_forwards_bytes(monkeypatch):
-    from kvcanary.ops.check import BatchMemo
+    from kvcanary.ops.bound import BatchMemo
 
     w = make_world(torch.Generator().manual_seed(12), [9, 4, 0], [3, 1, 2], mode=FingerprintMode.PARTIAL,
                    with_truth=True, corrupt=0.2, lut=False, window=0, stamp=True, tag=0)

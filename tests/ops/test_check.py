@@ -25,7 +25,8 @@ from kvcanary.core.record import (
     record_words,
 )
 from kvcanary.ops._common import Backend
-from kvcanary.ops.check import Workspace, check_forward, verify_split
+from kvcanary.ops.check import Workspace, check_forward
+from kvcanary.ops.check_launch import verify_split
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.ops.plan import Plan
 from kvcanary.ops.state import DeviceState

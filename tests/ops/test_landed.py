@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from kvcanary.core.record import Half, Reason, new_ring
 from kvcanary.ops import check_writes_landed, mark_writes
 from kvcanary.ops._common import Backend
+from kvcanary.ops.bound import BoundMarks
 from kvcanary.ops.fingerprint import KVSource
-from kvcanary.ops.landed import BoundMarks
 
 from . import reference as ref
 from ._compare import assert_same

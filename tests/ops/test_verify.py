@@ -30,11 +30,12 @@ from kvcanary.errors import InputError
 from kvcanary.ops._common import Backend
 from kvcanary.ops._cpu import BoundForward
 from kvcanary.ops._cpu import usable as numba_usable
+from kvcanary.ops.bound import BoundVerify
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource, fingerprint, source_meta
 from kvcanary.ops.gather import gather_expected_tokens
 from kvcanary.ops.plan import Plan, build_plan
 from kvcanary.ops.stamp import stamp
-from kvcanary.ops.verify import BoundVerify, verify
+from kvcanary.ops.verify import verify
 
 from . import reference as ref
 from ._compare import assert_same, sorted_rows

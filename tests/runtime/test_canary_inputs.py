@@ -33,7 +33,7 @@ def test_a_batch_the_bound_launch_refuses_is_named_by_check_forward(strided):
         pytest.skip("triton is not installed")
     canary = Canary(CanaryConfig(fused=True, truth=False, max_bs=4, max_tokens=16, sweep_interval=0),
                     PoolGeometry(num_slots=32, rows=4, max_ctx=8))
-    assert canary._bound is not None
+    assert canary.route.bound is not None
     i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     rtt = torch.arange(1, 33, dtype=torch.int32).view(4, 8)
     positions = torch.zeros(4, dtype=torch.int64)[::2] if strided else i64(0, 0)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcanary.runtime.canary as canary_mod
+import kvcanary.runtime.forward as forward_mod
+import kvcanary.runtime.sweeping as sweeping_mod
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import Half
 from kvcanary.ops.backend import Backend, cpu_kernels_usable
@@ -33,7 +34,7 @@ def _canary(path: str, seed: int) -> tuple[Canary, list[torch.Tensor]]:
                           max_tokens=64)
     canary = Canary(config, PoolGeometry(NUM_SLOTS, ROWS, MAX_CTX), sources=sources)
     if path == "op":
-        canary.cpu = None
+        canary.cpu.bound = None  # every batch refused: the op's path
     return canary, buffers
 
 
@@ -126,8 +127,9 @@ def test_a_clean_batch_takes_no_op(monkeypatch, appends):
     def refuse(*args, **kwargs):
         raise AssertionError("the op's path was taken")
 
-    for name in ("check_forward", "scatter_req_token_ids", "verify"):
-        monkeypatch.setattr(canary_mod, name, refuse)
+    for module, name in ((forward_mod, "check_forward"), (forward_mod, "scatter_req_token_ids"),
+                         (sweeping_mod, "verify")):
+        monkeypatch.setattr(module, name, refuse)
     canary, _ = _run("bound", 3, damage=False, appends=appends)
     assert canary.totals.forwards == 5 and int(canary.state.stats[:, 0].sum()) == 11  # HEAD, TAIL x5, one sweep
 

@@ -24,7 +24,7 @@ def _canary(device: str, snapshots: str = "published", **config) -> Canary:
     cfg = CanaryConfig(**({"policy": Policy.LOG, "max_bs": 4, "max_tokens": 64, "sweep_interval": 0} | config))
     canary = Canary(cfg, PoolGeometry(num_slots=ROWS * CTX + 1, rows=ROWS, max_ctx=CTX, device=device))
     if snapshots == "copied":
-        canary.reporter.publication, canary.publishing = None, False
+        canary.reporter.publication, canary.route.publishing = None, False
     return canary
 
 
@@ -261,10 +261,10 @@ def test_a_sweep_after_the_eager_tail_is_published_by_end_step_with_its_step(mon
 
 def _count_scatter_launches(monkeypatch) -> list:
     """The canary's own truth-scatter launches (not a HEAD's), counted from here on."""
-    import kvcanary.runtime.canary as canary_module
+    import kvcanary.runtime.forward as forward_module
 
-    launches, scatter = [], canary_module.scatter_validated
-    monkeypatch.setattr(canary_module, "scatter_validated", lambda *a, **k: (launches.append(1), scatter(*a, **k))[1])
+    launches, scatter = [], forward_module.scatter_validated
+    monkeypatch.setattr(forward_module, "scatter_validated", lambda *a, **k: (launches.append(1), scatter(*a, **k))[1])
     return launches
 
 

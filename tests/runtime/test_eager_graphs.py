@@ -93,7 +93,7 @@ def _state(c: Canary, bs: int) -> dict:
     return {"records": record_words(s.records).clone(), "side words": s.source_tags.clone(),
             "counter": s.ring_counter.clone(), "stats": s.stats.clone(), "ring": sorted(ring),
             "truth rows": c.truth[1:].clone(), "truth lengths": c.truth_lens[:bs].clone(),
-            "held words": c._held_counted.clone(), "error": s.error.clone()}
+            "held words": c.holds.counted.clone(), "error": s.error.clone()}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (the CUDA case replays the graphs)")
@@ -108,8 +108,8 @@ def test_a_padded_bucket_leaves_every_byte_as_the_batch_alone(seed, appends, buc
         b = _forward(c, slots, tokens, seed, appends)
         record_words(c.state.records)[slots[2][5], FINGERPRINT] ^= 1 << 9  # a damaged prefix slot: HEAD reports it
         c.hold(torch.tensor([slots[1][3], int(b.out_cache_loc[2])], dtype=torch.int64))  # one a write target
-        head, tail = c._bound["head"], c._bound["tail"]
-        tags = c._tags[LaunchPoint.HEAD], c._tags[LaunchPoint.TAIL]
+        head, tail = c.route.bound["head"], c.route.bound["tail"]
+        tags = c.ctx.tags[LaunchPoint.HEAD], c.ctx.tags[LaunchPoint.TAIL]
         c.prepare_head(b, eager=True)
         if not padded:
             c.launch_head(b)
@@ -121,9 +121,9 @@ def test_a_padded_bucket_leaves_every_byte_as_the_batch_alone(seed, appends, buc
             buffers.load(b.req_pool_indices, b.prefix_lens, b.extend_lens, b.input_ids, b.positions,
                          b.out_cache_loc, b.truth_ids, b.truth_offsets, b.truth_starts)
             batch = buffers.batch(b.req_to_token)
-            assert head(*batch, tag=tags[0], truth=True, held_words=c._held_counted, truth_ids=buffers.tids,
+            assert head(*batch, tag=tags[0], truth=True, held_words=c.holds.counted, truth_ids=buffers.tids,
                         truth_offsets=buffers.toff, truth_starts=buffers.starts)
-            c._scatter_for, c.held = None, None
+            c.route.scatter_for, c.held = None, None
             assert tail(*batch, tag=tags[1], truth=True)
         runs.append(_state(c, 2))
         found = read_all(c, 1)
@@ -148,8 +148,8 @@ def test_eager_graphs_through_the_canary_find_what_its_launches_find():
     found, states = [], []
     for graphs in (False, True):
         c, slots, tokens = prefilled(51, "cpu", NUM_SLOTS, CTX, 20, 256, fused=True, eager_graphs=graphs)
-        assert (c._eager is not None) is graphs
-        before = (c._eager.replays, len(c._eager.graphs)) if graphs else None  # the prefill's bucket
+        assert (c.route.eager is not None) is graphs
+        before = (c.route.eager.replays, len(c.route.eager.graphs)) if graphs else None  # the prefill's bucket
         got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32)
         for step, (rows, extend, appends) in enumerate(STEPS, start=1):
             b = _forward(c, slots, tokens, 50 + step, appends, rows=rows, extend=extend, table=table)
@@ -161,7 +161,7 @@ def test_eager_graphs_through_the_canary_find_what_its_launches_find():
             got.append(sorted((v.slot, v.point.name, int(v.reasons), v.expected_value) for v in read_all(c, 2 * step)))
             assert {"HEAD", "TAIL"} <= {p for _, p, _, _ in got[-1]}
         if graphs:
-            assert (c._eager.replays - before[0], len(c._eager.graphs) - before[1]) == (len(STEPS), 3)
+            assert (c.route.eager.replays - before[0], len(c.route.eager.graphs) - before[1]) == (len(STEPS), 3)
         found.append(got)
         states.append(_state(c, len(STEPS[-1][0])))  # the last batch's lengths (the rest are scratch)
     assert found[1] == found[0]
@@ -180,8 +180,8 @@ def test_a_capture_that_raises_leaves_its_bucket_to_the_launches(monkeypatch, ca
         if graphs:
             def refuse(key, rtt):
                 raise RuntimeError("operation not permitted when stream is capturing")
-            monkeypatch.setattr(c._eager, "_capture", refuse)
-            before, kept = c._eager.replays, set(c._eager.graphs)  # the prefill's bucket
+            monkeypatch.setattr(c.route.eager, "_capture", refuse)
+            before, kept = c.route.eager.replays, set(c.route.eager.graphs)  # the prefill's bucket
         got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32)
         for step in (1, 2):  # one bucket: its capture raises once
             b = _forward(c, slots, tokens, 60 + step, False, table=table)
@@ -192,9 +192,9 @@ def test_a_capture_that_raises_leaves_its_bucket_to_the_launches(monkeypatch, ca
             got.append(sorted((v.slot, v.point.name, int(v.reasons)) for v in read_all(c, 2 * step)))
         found.append(got)
         if graphs:
-            assert c._eager.failure == "RuntimeError: operation not permitted when stream is capturing"
-            assert c._eager.replays == before
-            assert [c._eager.graphs[k] for k in set(c._eager.graphs) - kept] == [None]
+            assert c.route.eager.failure == "RuntimeError: operation not permitted when stream is capturing"
+            assert c.route.eager.replays == before
+            assert [c.route.eager.graphs[k] for k in set(c.route.eager.graphs) - kept] == [None]
     assert found[1] == found[0] and all(("HEAD" in {p for _, p, _ in g}) for g in found[0])
     assert sum("a capture failed" in r.getMessage() for r in caplog.records) == 1
 
@@ -232,8 +232,8 @@ def test_eager_graphs_replay_each_bucket_and_find_what_launches_find(appends):
     found, records = [], []
     for graphs in (False, True):
         c, slots, tokens = prefilled(41, "cuda", NUM_SLOTS, CTX, 20, 256, eager_graphs=graphs)
-        assert (c._eager is not None) == graphs
-        before = (c._eager.replays, len(c._eager.graphs)) if graphs else None  # the prefill's bucket
+        assert (c.route.eager is not None) == graphs
+        before = (c.route.eager.replays, len(c.route.eager.graphs)) if graphs else None  # the prefill's bucket
         got, table = [], torch.zeros(ROWS, CTX, dtype=torch.int32, device="cuda")
         for step, seed in enumerate((41, 42), start=1):
             b = _forward(c, slots, tokens, seed, appends, "cuda", table=table)
@@ -244,7 +244,7 @@ def test_eager_graphs_replay_each_bucket_and_find_what_launches_find(appends):
             c.tail(b)  # no model wrote the targets: missed writes at TAIL
             got += [(v.step, v.slot, v.point.name, int(v.reasons)) for v in read_all(c, 2 * step)]
         if graphs:
-            assert (c._eager.replays - before[0], len(c._eager.graphs) - before[1]) == (2, 1)
+            assert (c.route.eager.replays - before[0], len(c.route.eager.graphs) - before[1]) == (2, 1)
         found.append(sorted(got))
         records.append((record_words(c.state.records).cpu(), c.state.source_tags.cpu()))
     assert found[0] == found[1] and found[0]

@@ -47,7 +47,7 @@ def _conflicts(found: list) -> list[tuple]:
 
 
 def _count(c: Canary) -> int | None:
-    words = c._held_counted
+    words = c.holds.counted
     return None if words is None else int(words[0])
 
 
@@ -102,7 +102,7 @@ def test_the_triton_head_reads_the_count_on_the_device_not_the_hosts_view():
     c, slots, _, free = _canary(24, True)
     held = slots[2][:8]
     c.hold(torch.tensor(held, dtype=torch.int64))
-    c._held_counted[0] = 2  # the device's count: only the first two slots
+    c.holds.counted[0] = 2  # the device's count: only the first two slots
     _head(c, [free[0], held[5]], 6)
     assert _conflicts(read_all(c, 1)) == []
     c.hold(torch.tensor(held, dtype=torch.int64))

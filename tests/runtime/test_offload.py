@@ -131,8 +131,8 @@ def test_the_pool_moves_records_only_after_the_canarys_side_stream_work_is_joine
     canary = hooks.attach(engine)
     assert canary.side is not None
     slots, rows = torch.arange(8, 16), torch.arange(8)
-    canary._fork()  # side work left unjoined, as after a HEAD forked by a forward that raised
-    assert canary._side_busy
+    canary.route.fork()  # side work left unjoined, as after a HEAD forked by a forward that raised
+    assert canary.route.side_busy
     engine.pool.copy_to_host(slots, rows)
-    assert not canary._side_busy
+    assert not canary.route.side_busy
     assert torch.equal(canary.host_rows[rows], canary.export_rows(slots).cpu())

@@ -66,8 +66,8 @@ def _batch(tokens: torch.Tensor, table: torch.Tensor, prefix: int, extend: int) 
 
 def _count_forks(c: Canary) -> list[bool]:
     """Each fork of ``c``'s side stream from now on, as whether it was inside a capture."""
-    forks, fork = [], c._fork
-    c._fork = lambda: (forks.append(torch.cuda.is_current_stream_capturing()), fork())[1]
+    forks, fork = [], c.route.fork
+    c.route.fork = lambda: (forks.append(torch.cuda.is_current_stream_capturing()), fork())[1]
     return forks
 
 

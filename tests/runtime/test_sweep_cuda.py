@@ -116,13 +116,13 @@ def test_a_head_replayed_from_a_graph_checks_the_slots_held_in_its_own_step():
     with torch.cuda.graph(graph):
         c.launch_head(b)
         c.tail(b)
-    assert c.held is not None and int(c._held_counted[0]) == 4  # pending: the capture consumed nothing
+    assert c.held is not None and int(c.holds.counted[0]) == 4  # pending: the capture consumed nothing
 
     def conflicts(step: int) -> list:
         return [(v.slot, v.point.name, v.expected_value) for v in read_all(c, step)
                 if v.reasons & Reason.READ_CONFLICT]
 
-    assert conflicts(2) == [] and int(c._held_counted[0]) == 0
+    assert conflicts(2) == [] and int(c.holds.counted[0]) == 0
     target = slots[0][2]
     b.out_cache_loc.copy_(i64([free[2], target]))  # the graph's own buffers, as a replay reads them
     table[1, :2] = torch.tensor([free[2], target], dtype=torch.int32)
@@ -130,12 +130,12 @@ def test_a_head_replayed_from_a_graph_checks_the_slots_held_in_its_own_step():
     c.hold(torch.tensor(slots[0], dtype=torch.int64))
     c.prepare_head(b)
     graph.replay()
-    assert int(c._held_counted[0]) == 0  # consumed by the replayed HEAD
+    assert int(c.holds.counted[0]) == 0  # consumed by the replayed HEAD
     c.prepare_head(b)
     graph.replay()  # a second forward in the step: the hold is read
     assert conflicts(4) == [(target, "HEAD", 0)]
     c.hold(torch.tensor(slots[0], dtype=torch.int64))
-    assert conflicts(6) == [] and int(c._held_counted[0]) == 0  # a step without a forward: the hold is dropped
+    assert conflicts(6) == [] and int(c.holds.counted[0]) == 0  # a step without a forward: the hold is dropped
     c.prepare_head(b)
     graph.replay()
     assert conflicts(8) == []
@@ -154,8 +154,8 @@ def test_a_replayed_sweep_loads_and_reports_what_launched_steps_do_at_every_clas
     damaged in the window is reported by both, at SWEEP, naming the slot."""
     graphed, slots, tokens = prefilled(seed, "cuda", 600, 160, 100, 512, plan_capacity=300)
     launched, slots2, _ = prefilled(seed, "cuda", 600, 160, 100, 512, plan_capacity=300, warmup=False)
-    assert slots2 == slots and launched._sweep_graphs is None
-    graphs = graphed._sweep_graphs
+    assert slots2 == slots and launched.sweeper.graphs is None
+    graphs = graphed.sweeper.graphs
     assert graphs is not None and graphs.sizes == class_sizes(300) == [256, 300]
     replays = []
     load, again = graphs.load, graphs.again
@@ -167,21 +167,21 @@ def test_a_replayed_sweep_loads_and_reports_what_launched_steps_do_at_every_clas
     for entries in (1, 255, 256, 257, total):
         budget = entries * graphed.entry_bytes()
         for c in (graphed, launched):  # the same cursor on both: each sweep continues where the last stopped
-            c._sweep_cursor = 0
+            c.sweeper.cursor = 0
         replays.clear()
         n = graphed.sweep(runs, budget)
         assert n == launched.sweep(runs, budget) == min(entries, 300)
         assert _columns(graphed, n) == _columns(launched, n)
         assert replays == [("load", n)]
         for c in (graphed, launched):
-            c._sweep_cursor = 0
+            c.sweeper.cursor = 0
         assert graphed.sweep(runs, budget) == launched.sweep(runs, budget) == n
         assert replays == [("load", n), ("again",)]  # the same window of the same entries: the plan holds it
         assert read_all(graphed, 1) == read_all(launched, 1) == []
     bad = slots[0][5]  # within the first 256 entries of the runs
     for c in (graphed, launched):
         record_words(c.state.records)[bad, FINGERPRINT] ^= 1 << 21
-        c._sweep_cursor = 0
+        c.sweeper.cursor = 0
         c.sweep(runs, 256 * c.entry_bytes())
     found = [[(v.slot, v.point.name, v.reasons) for v in read_all(c, 2)] for c in (graphed, launched)]
     assert found[0] == found[1] == [(bad, "SWEEP", Reason.FINGERPRINT)]
@@ -194,10 +194,10 @@ def test_a_replayed_sweep_that_holds_its_runs_holds_the_slots_its_graph_widened_
     entries, and leaves the held words as they were. A write into one of them is then a
     READ_CONFLICT at HEAD; into a free slot, nothing."""
     c, slots, tokens = _filled(10)
-    graphs = c._sweep_graphs
+    graphs = c.sweeper.graphs
     runs = _runs(slots, tokens, 2)
     every = [s for r in runs for s in r.slots.tolist()]
-    words = c._held_counted
+    words = c.holds.counted
     c.sweep(runs, hold=True)
     assert c.held.data_ptr() == words[1:].data_ptr() and c.held.tolist() == every
     assert int(words[0]) == len(every)

@@ -27,9 +27,9 @@ def test_a_sweep_over_the_entries_its_plan_holds_copies_nothing_and_still_report
     runs = [SweepRun(torch.tensor(s[keep:], dtype=torch.int64), tuple(t[keep:]), keep, s[keep - 1])
             for s, t in zip(slots, tokens, strict=True)]  # one list, swept again and again
     loads = []
-    load = c._load_sweep_plan
-    monkeypatch.setattr(c, "_load_sweep_plan", lambda *cols: loads.append(len(cols[0])) or load(*cols))
-    graphs = c._sweep_graphs
+    load = c.sweeper.load
+    monkeypatch.setattr(c.sweeper, "load", lambda *cols: loads.append(len(cols[0])) or load(*cols))
+    graphs = c.sweeper.graphs
     if graphs is not None:  # CUDA: runs that fit whole are staged by the graphs' ``load_blocks``
         load_blocks = graphs.load_blocks
         monkeypatch.setattr(graphs, "load_blocks", lambda blocks, m: loads.append(m) or load_blocks(blocks, m))

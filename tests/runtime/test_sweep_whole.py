@@ -1,4 +1,4 @@
-"""A sweep whose runs fit its budget whole (``Canary._sweep_whole``) takes every entry of its runs,
+"""A sweep whose runs fit its budget whole (``Sweeper._sweep_whole``) takes every entry of its runs,
 in run order from the first, without cutting a window out of their joined arrays. On CUDA, with
 the sweep's graphs, it stages each run's kept entries into the graphs' pinned rows in one copy
 (``SweepGraphs.load_blocks``) and replays the verify alone where the runs are the same arrays; on
@@ -29,7 +29,7 @@ def _pair(seed: int, device: str):
     if device == "cuda":
         whole, slots, tokens = prefilled(seed, device, NUM_SLOTS, CTX, 60, 512, plan_capacity=1024)
         other, slots2, _ = prefilled(seed, device, NUM_SLOTS, CTX, 60, 512, plan_capacity=1024, warmup=False)
-        assert whole._sweep_graphs is not None and other._sweep_graphs is None
+        assert whole.sweeper.graphs is not None and other.sweeper.graphs is None
     else:
         whole, slots, tokens = prefilled(seed, device, NUM_SLOTS, CTX, 60, 512)
         other, slots2, _ = prefilled(seed, device, NUM_SLOTS, CTX, 60, 512, fused=False)
@@ -52,7 +52,7 @@ def _found(c, step: int) -> list:
 def test_a_sweep_that_fits_whole_loads_and_reports_what_the_windowed_sweep_does(seed, device):
     whole, other, slots, tokens = _pair(seed, device)
     calls = []
-    graphs = whole._sweep_graphs
+    graphs = whole.sweeper.graphs
     if graphs is not None:
         for name in ("load", "load_blocks", "again"):
             f = getattr(graphs, name)
@@ -62,7 +62,7 @@ def test_a_sweep_that_fits_whole_loads_and_reports_what_the_windowed_sweep_does(
     n = sum(len(s) - KEEP for s in slots)
     every = [s for r in runs for s in r.slots.tolist()]
     for c in (whole, other):
-        c._sweep_cursor = 0
+        c.sweeper.cursor = 0
         assert c.sweep(runs, hold=True) == n
         assert c.held.tolist() == every
     if device == "cuda":
@@ -71,7 +71,9 @@ def test_a_sweep_that_fits_whole_loads_and_reports_what_the_windowed_sweep_does(
                                                       plan.row)]
         assert int(p.count[0]) == int(q.count[0]) == n and cols(p) == cols(q)
         assert calls == ["load_blocks"]
-        assert whole.held.data_ptr() == graphs.held.data_ptr()  # the replay's widened slots, not a copy
+        # the held slots as the next HEAD reads them: the counted words, the count then the slots
+        words = whole.holds.counted
+        assert int(words[0]) == n and words[1: 1 + n].tolist() == every
     assert _found(whole, 1) == _found(other, 1) == []
 
     bad = slots[0][KEEP + 4]
@@ -107,7 +109,7 @@ def test_a_sweep_over_more_than_its_budget_still_windows_the_runs(device):
     runs = _runs(slots, tokens)
     budget = 5 * whole.entry_bytes()
     for c in (whole, other):
-        c._sweep_cursor = 0
+        c.sweeper.cursor = 0
         assert [c.sweep(runs, budget) for _ in range(3)] == [5, 5, 5]
-        assert c._sweep_cursor == 15
+        assert c.sweeper.cursor == 15
     assert _found(whole, 1) == _found(other, 1) == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcanary.runtime.canary as canary_module
+import kvcanary.runtime.forward as forward_module
 from kvcanary.config import CanaryConfig, Policy
 from kvcanary.core.record import Reason
 from kvcanary.ops._common import HAS_TRITON
@@ -56,7 +56,7 @@ def _scatter_launches(monkeypatch) -> list:
         return lambda *a, **k: (launches.append(1), op(*a, **k))[1]
 
     for name in ("scatter_validated", "scatter_req_token_ids"):
-        monkeypatch.setattr(canary_module, name, counted(getattr(canary_module, name)))
+        monkeypatch.setattr(forward_module, name, counted(getattr(forward_module, name)))
     return launches
 
 

@@ -10,7 +10,7 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint
 from kvcanary.ops._common import HAS_TRITON
-from kvcanary.ops.check import _check_kernel
+from kvcanary.ops.check_kernel import _check_kernel
 from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 from kvcanary.ops.landed import _mark_kernel
 from kvcanary.ops.scatter import _scatter_kernel

@@ -16,6 +16,8 @@ Compared beside them in the same run: partial with TAIL started after the forwar
 no hook inside its model), identity and partial with everything on one stream (overlap off), and
 ``off_forked``: the canary-off forward with an empty side branch (what the graph's shape alone does).
 
+Each shape runs over a pool sized to its own requests; a shape whose pool and activations do
+not fit the card beside the weights is skipped with one line (``skipped`` in the JSON).
 ``prepare_head`` (host-fed) runs outside the graphs. Each repeat times every mode once, in a
 rotating order, over batches of replays (CUDA events); figures are medians over repeats with
 their min-max spread, and ``on / off`` is the median of the per-repeat ratios. Each step is put
@@ -44,6 +46,7 @@ from kvcanary.bench.step_parts import (
     build_canary,
     capture,
     first_vs_steady,
+    fits,
     host_us,
     interleaved,
     matmul_tflops,
@@ -191,7 +194,7 @@ def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed:
         print(f"rates     copy {rates['copy_GBps']:.0f} GB/s (read+written), bf16 8192^3 product "
               f"{rates['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()
-    num_pages = pool_pages(shapes, page_size)
+    num_pages = pool_pages(shapes[:1], page_size)  # each shape's own pool, sized when it runs (``_pool_for``)
     model = None
     with record.section("model"):
         t0 = time.perf_counter()
@@ -207,9 +210,12 @@ def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed:
             record.data["warmup"] = warmup_study(model, sb, num_pages * page_size)
             del sb
         for shape in shapes:
+            pages = _pool_for(model, shape, page_size, record)
+            if pages is None:
+                continue
             with record.section(shape.label):
                 reps = repeats or (5 if shape.kind == "prefill" else 9)
-                row = measure_shape(model, shape, num_pages, page_size, gen, reps, rates)
+                row = measure_shape(model, shape, pages, page_size, gen, reps, rates)
                 record.data["rows"].append(row)
                 print(f"time      {shape.label:<22} off {row['off']['median']:>10.1f} µs "
                       f"({row['step_over_floor']:.2f}× "
@@ -227,6 +233,25 @@ def run_step(device: torch.device, *, quick: bool = False, json_path=None, seed:
     print(f"\nelapsed {record.data['meta']['elapsed_s']} s" + (f"; details in {json_path}" if json_path else ""))
     print_table(record.data)
     return record.data
+
+
+def _pool_for(model: Decoder, shape: StepShape, page_size: int, record: RunRecord) -> int | None:
+    """The pages of ``shape``'s own pool, ``model``'s pool sized to them where it fits the card
+    beside the weights; None, with one line printed and recorded, for a shape that does not fit."""
+    pages = pool_pages([shape], page_size)
+    if pages * page_size == model.num_slots:
+        return pages
+    model.allocate_pool(0)  # the last shape's pool released before the next one is sized
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(model.device)
+    line = fits(model.shape, shape, pages * page_size * model.shape.kv_bytes_per_token, free)
+    if line is not None:
+        print(line, flush=True)
+        record.data.setdefault("skipped", []).append({"shape": shape.label, "reason": line.split(None, 2)[2]})
+        return None
+    model.allocate_pool(pages * page_size)
+    return pages
 
 
 def _sp(s: dict) -> str:

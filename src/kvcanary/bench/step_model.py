@@ -174,9 +174,23 @@ class Decoder:
                             ln2=torch.ones(s.hidden, dtype=dtype, device=dev)) for _ in range(s.num_layers)]
         self.final_norm = torch.ones(s.hidden, dtype=dtype, device=dev)
         self.lm_head = weight(s.vocab, s.hidden)
+        self._weight = weight
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+        self.allocate_pool(num_slots)
+
+    def allocate_pool(self, num_slots: int) -> None:
+        """Per-layer K and V pool buffers of ``num_slots`` slots (random values), the old ones
+        released first (a benchmark sizes the pool to each shape it runs)."""
+        s = self.shape
+        self.k_buffers, self.v_buffers = [], []
         kv = (num_slots, s.num_kv_heads, s.head_dim)
-        self.k_buffers = [weight(*kv, scale=1.0) for _ in range(s.num_layers)]
-        self.v_buffers = [weight(*kv, scale=1.0) for _ in range(s.num_layers)]
+        self.k_buffers = [self._weight(*kv, scale=1.0) for _ in range(s.num_layers)]
+        self.v_buffers = [self._weight(*kv, scale=1.0) for _ in range(s.num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_buffers[0].shape[0]
 
     @property
     def weight_bytes(self) -> int:

@@ -61,6 +61,25 @@ def pool_pages(shapes, page_size: int) -> int:
     return 1 + max(s.bs * -(-(s.context + s.extend) // page_size) for s in shapes)
 
 
+def activation_bytes(model: DecoderShape, shape: StepShape) -> int:
+    """A bound on what one step of ``shape`` holds besides the weights and the pool: per written
+    token its widest intermediates (the MLP's gate and up halves, the residual, its norm and the
+    attention output, the fused q/k/v), bf16, twice over (a graph's pool keeps the capture's)."""
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = 2 * (2 * model.mlp + 4 * model.hidden + qkv)
+    return 2 * (shape.bs * shape.extend * per_token + shape.bs * model.vocab * 2)
+
+
+def fits(model: DecoderShape, shape: StepShape, pool_bytes: int, free_bytes: int) -> str | None:
+    """None where a pool of ``pool_bytes`` and the step's activations fit in ``free_bytes``; else
+    the line that says why the shape is skipped."""
+    need = pool_bytes + activation_bytes(model, shape)
+    if need <= free_bytes:
+        return None
+    return (f"skip      {shape.label:<22} its pool ({pool_bytes / 1e9:.1f} GB of K/V) and activations need "
+            f"{need / 1e9:.1f} GB, {free_bytes / 1e9:.1f} GB free beside the weights")
+
+
 class StepBatch:
     """One shape's page table (random pages of ``page_size`` slots), token history, and the
     fill (writes every prefix) and step batches; request r uses page-table row r + 1."""

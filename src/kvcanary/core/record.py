@@ -93,6 +93,18 @@ class PoolKind(enum.IntEnum):
     SWA = 1
 
 
+class FingerprintMode(enum.IntEnum):
+    """What a record's fingerprint folds of its slot's K/V: nothing, the first 16 bytes of each
+    source row (PARTIAL), or the whole row (ALL)."""
+
+    NONE = 0
+    PARTIAL = 1
+    ALL = 2
+
+
+MAX_SOURCES = 4  # KV sources one fingerprint folds (the kernels take four buffers)
+
+
 NUM_LAUNCH_TAGS = len(LaunchPoint) * len(PoolKind) * len(Half)
 SOURCE_TAG_BITS = 16  # bits of each source's part in the side word
 _SOURCE_BITS = 0xFF  # a row names at most 8 sources (the kernels take 4)

@@ -50,9 +50,10 @@ from kvcanary.config import Policy
 from kvcanary.core.record import PoolKind
 from kvcanary.distributed.divergence import Cause, RankDivergence, find_divergences
 from kvcanary.distributed.signal import ALARM_BIT, CODE, ROWS, SIGNAL_WIDTH, STEP, SignalBuffers, signal_row
-from kvcanary.errors import CanaryViolation, ConfigError, KVCanaryError
+from kvcanary.errors import ConfigError, KVCanaryError
 from kvcanary.runtime.batch import ForwardBatch
-from kvcanary.runtime.canary import Canary, Recovery, StepReport, WatchdogTimeout
+from kvcanary.runtime.canary import Canary, StepReport
+from kvcanary.runtime.policy import Recovery, acts, decide, merge_recoveries
 from kvcanary.runtime.reporting import Violation
 
 log = logging.getLogger("kvcanary")
@@ -287,22 +288,21 @@ class RankAgreement:
 
     def _apply_policy(self, flight: _InFlight, table: list[list[int]], divergences: list[RankDivergence],
                       report: AgreedStepReport) -> None:
-        if self.policy not in (Policy.RAISE, Policy.RECOMPUTE):
+        if not acts(self.policy):
             self._unacted = []  # log: nothing to act on, nothing to keep
             return
         alarmed = [r for r, row in enumerate(table) if row[CODE] & ALARM_BIT]
-        if alarmed:
-            raise WatchdogTimeout(f"step {flight.step}: the canary watchdog fired on rank(s) {alarmed}")
         reporting = [r for r, row in enumerate(table) if row[ROWS] > 0]
-        if not reporting and not divergences:
-            return
-        if self.policy is Policy.RAISE:
+        damage = None
+        if reporting or divergences:
             where = "; ".join(d.line() for d in divergences) or f"ranks {reporting} reported violations"
             first = f"; first here: {self._unacted[0].line()}" if self._unacted else ""
-            raise CanaryViolation(f"step {flight.step}, rank {self.rank} of {self.world}: {where}{first}",
-                                  list(self._unacted))
-        if self.policy is Policy.RECOMPUTE:
-            report.recovery = self._exchange_recovery(flight, divergences)
+            damage = f"step {flight.step}, rank {self.rank} of {self.world}: {where}{first}"
+        alarm = f"step {flight.step}: the canary watchdog fired on rank(s) {alarmed}" if alarmed else None
+        recovery = decide(self.policy, alarm=alarm, damage=damage, violations=list(self._unacted),
+                          recovery=lambda: self._exchange_recovery(flight, divergences))
+        if recovery is not None:
+            report.recovery = recovery
 
     def _exchange_recovery(self, flight: _InFlight, divergences: list[RankDivergence]) -> Recovery:
         """The union of every rank's recovery set. A chain-digest divergence that no rank's checks
@@ -318,6 +318,5 @@ class RankAgreement:
             since = min(since, flight.step - 1)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (requests, slots, since), group=self.group)
-        union = list(dict.fromkeys(r for reqs, _, _ in gathered for r in reqs))
-        bad = sorted({s for _, ss, _ in gathered for s in ss})
-        return Recovery(tuple(union), tuple(bad), min(s for _, _, s in gathered))
+        every = [Recovery(tuple(dict.fromkeys(reqs)), tuple(sorted(set(ss))), s) for reqs, ss, s in gathered]
+        return merge_recoveries(*every)

@@ -35,6 +35,7 @@ from kvcanary.errors import CanaryViolation
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry, Recovery, StepReport
+from kvcanary.runtime.policy import merge_recoveries
 from kvcanary.runtime.sweep import SweepRun
 
 if TYPE_CHECKING:
@@ -196,9 +197,7 @@ class CanaryHooks(EngineHooks):
         if keep and (report.violations or report.alarms):
             self.reports.append(report)
         if report.recovery is not None:
-            rec = report.recovery
-            known = [r for r in rec.requests if r in self.engine.requests]
-            self.engine.recompute(known, torch.tensor(rec.slots, dtype=torch.int64), since_step=rec.since_step)
+            self.engine.apply_recovery(report.recovery)
 
     def _fail(self, report: StepReport) -> CanaryViolation | None:
         """The raise policy's violations of ``report``: the requests that read the damage fail
@@ -227,14 +226,9 @@ class CanaryHooks(EngineHooks):
         report.violations += window.violations
         report.alarms += window.alarms
         if window.recovery is not None:
-            rec, wrec = report.recovery, window.recovery
+            wrec = window.recovery
             slots = self.engine.pool.window.full_slots_of(wrec.slots)
-            if rec is None:
-                report.recovery = Recovery(wrec.requests, tuple(slots), wrec.since_step)
-            else:
-                report.recovery = Recovery(tuple(dict.fromkeys(rec.requests + wrec.requests)),
-                                           tuple(sorted(set(rec.slots) | set(slots))),
-                                           min(rec.since_step, wrec.since_step))
+            report.recovery = merge_recoveries(report.recovery, Recovery(wrec.requests, tuple(slots), wrec.since_step))
         return report
 
     def flush(self, step: int, keep: bool = False) -> StepReport:

@@ -38,6 +38,7 @@ from kvcanary.engine.zoo import Bug, InFlightWrite, Zoo
 from kvcanary.errors import CapacityError, ConfigError
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.jitter import Jitter
+from kvcanary.runtime.policy import Recovery
 from kvcanary.runtime.sweep import SweepRun
 
 
@@ -323,6 +324,13 @@ class Engine:
             node.sweep_run = (slots, slots._version, above, above._version if above is not None else 0, run)
             runs.append(run)
         return runs
+
+    def apply_recovery(self, recovery: Recovery) -> list[int]:
+        """What the recompute policy decided (``Recovery``), applied: the requests it names that
+        this engine still knows re-prefill, its slots are quarantined (``recompute``). Returns the
+        ids retracted."""
+        known = [r for r in recovery.requests if r in self.requests]
+        return self.recompute(known, torch.tensor(recovery.slots, dtype=torch.int64), since_step=recovery.since_step)
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
                   since_step: int | None = None) -> list[int]:

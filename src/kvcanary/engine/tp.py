@@ -144,5 +144,4 @@ class RankCanaryHooks(CanaryHooks):
         rec = report.recovery
         if rec is not None and (rec.requests or rec.slots):
             self.recoveries.append((report.step, rec))
-            known = [r for r in rec.requests if r in self.engine.requests]
-            self.engine.recompute(known, torch.tensor(rec.slots, dtype=torch.int64), since_step=rec.since_step)
+            self.engine.apply_recovery(rec)

@@ -1,5 +1,5 @@
 """Compiled CPU kernels (numba): a whole HEAD or TAIL of ``check_forward``, a plan's ``verify``
-and the truth scatter, in one call each; their source is ``ops._cpu_kernels``.
+and the truth scatter, in one call each; their source is ``ops._cpu_kernels`` and ``ops._cpu_scatter``.
 
 On a CPU the torch paths spend their time in dispatch, not arithmetic: a decode step's HEAD and
 TAIL are a few hundred entries each, and every one of their ~400 small torch calls costs a few
@@ -44,6 +44,7 @@ import torch
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOLATION_ROW_WIDTH
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
+from kvcanary.ops import _cpu_scatter as _ks
 from kvcanary.ops._common import Backend
 from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
 
@@ -55,6 +56,7 @@ _compiled: dict[str, object] = {}
 _lock = threading.Lock()
 _usable: bool | None = None
 _jitted = False
+_SOURCES = (_k, _ks)  # the modules holding kernels' source (``CALLED``, ``INLINED``, ``KERNELS``)
 
 
 def kernel(name: str):
@@ -71,13 +73,15 @@ def kernel(name: str):
 
         global _jitted
         if not _jitted:  # the called functions become numba functions before the first kernel compiles
-            for fn_name in _k.CALLED:
-                setattr(_k, fn_name, numba.njit(error_model="numpy")(getattr(_k, fn_name)))
-            for fn_name in _k.INLINED:
-                setattr(_k, fn_name, numba.njit(inline="always")(getattr(_k, fn_name)))
+            for module in _SOURCES:
+                for fn_name in module.CALLED:
+                    setattr(module, fn_name, numba.njit(error_model="numpy")(getattr(module, fn_name)))
+                for fn_name in module.INLINED:
+                    setattr(module, fn_name, numba.njit(inline="always")(getattr(module, fn_name)))
             _jitted = True
-        py, sig = _k.KERNELS[name]
-        fn = _compiled[name] = numba.njit(sig, cache=True, nogil=True, error_model="numpy")(getattr(_k, py))
+        module = next(m for m in _SOURCES if name in m.KERNELS)
+        py, sig = module.KERNELS[name]
+        fn = _compiled[name] = numba.njit(sig, cache=True, nogil=True, error_model="numpy")(getattr(module, py))
     return fn
 
 
@@ -93,7 +97,7 @@ def usable() -> bool:
                 if _cache_is_cold():  # the first run would otherwise sit silent while numba compiles
                     print("kv-canary: compiling the CPU kernels once for this install (about 15 s)", file=sys.stderr,
                           flush=True)
-                for name in _k.KERNELS:
+                for name in (*_k.KERNELS, *_ks.KERNELS):
                     kernel(name)
                 _warm_dispatch()
                 _usable = True

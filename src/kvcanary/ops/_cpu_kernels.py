@@ -1,6 +1,6 @@
 """The compiled CPU kernels' source (numba, compiled by ``ops._cpu`` on first use): a whole
-HEAD or TAIL of ``check_forward`` (``_check``), a plan's ``verify`` (``_verify``) and the truth
-scatter (``_scatter``), with the functions they call. Plain Python until ``ops._cpu.kernel``
+HEAD or TAIL of ``check_forward`` (``_check``) and a plan's ``verify`` (``_verify``), with the
+functions they call (the truth scatter's: ``_cpu_scatter``). Plain Python until ``ops._cpu.kernel``
 compiles them: the called functions become numba functions in this module's namespace first,
 so the kernels compile against them. Each kernel reproduces its torch path byte for byte (see
 ``ops._cpu``); ``*_SIG`` are their signatures, ``INLINED`` / ``CALLED`` how the rest compiles.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcanary.core.hashing import ANCHOR, GOLDEN, MIX1, MIX2, TOKEN_SALT
+from kvcanary.ops._cpu_scatter import _scatter_bad, _scatter_rows
 from kvcanary.ops.fingerprint import FP_SEED
 from kvcanary.ops.landed import MARK_SEED
 
@@ -18,9 +19,7 @@ _M1, _M2, _GOLDEN, _SALT, _FP_SEED, _MARK_SEED = (np.uint64(x) for x in (MIX1, M
                                                                          MARK_SEED))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ANCHOR_S = np.int64(ANCHOR - (1 << 64) if ANCHOR >> 63 else ANCHOR)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_LOW16 = np.uint64(0xFFFF)
-_UNMARKED = np.int64(2**63 - 1)
+_LOW32, _LOW16, _UNMARKED = np.uint64(0xFFFFFFFF), np.uint64(0xFFFF), np.int64(2**63 - 1)
 # reason bits (core.record.Reason)
 _CHAIN, _POSITION, _FINGERPRINT, _WRITE_TOKEN, _WRITE_POSITION, _VERIFY_TOKEN = 1, 2, 4, 8, 16, 32
 _BAD_ENTRY, _WRITE_CONFLICT, _READ_CONFLICT, _MISSED_WRITE = 64, 128, 256, 512
@@ -481,54 +480,6 @@ def _verify(words, slot, pred, position, token, entry, prow, count, enable, ring
                     meta, num_sources, src_tags, halves)
 
 
-def _scatter_bad(flat, offsets, rpi, rows, starts, has_starts):
-    """(bad offsets, bad rows) of a truth scatter: offsets that do not run from 0 to len(flat)
-    without decreasing (or not bs + 1 of them), with ``has_starts`` a negative start (or not bs
-    of them), rows outside the table."""
-    n, bs = flat.shape[0], rpi.shape[0]
-    if offsets.shape[0] != bs + 1 or (has_starts and starts.shape[0] != bs):
-        return True, False
-    bad_off = offsets[0] != 0 or offsets[bs] != n
-    bad_rows = False
-    for r in range(bs):
-        bad_off = bad_off or offsets[r + 1] < offsets[r] or (has_starts and starts[r] < 0)
-        bad_rows = bad_rows or rpi[r] < 0 or rpi[r] >= rows
-    return bad_off, bad_rows
-
-
-def _scatter_rows(flat, offsets, rpi, out, lens, has_lens, starts, has_starts):
-    """Copy every valid segment into its row of ``out``, from column 0 or (``has_starts``) from
-    its start on, nothing past the row's width; ``has_lens``: each segment's length too (plus
-    its start: the length of the history the row then holds)."""
-    n, bs = flat.shape[0], rpi.shape[0]
-    rows, width = out.shape[0], out.shape[1]
-    for r in range(bs):
-        a, b, row = offsets[r], offsets[r + 1], rpi[r]
-        first = starts[r] if has_starts else 0
-        if has_lens:
-            lens[r] = first + b - a
-        if 0 <= a <= b <= n and 0 <= row < rows and first >= 0:
-            for c in range(max(min(b - a, width - first), 0)):
-                out[row, first + c] = np.int32(flat[a + c])
-
-
-def _scatter(flat, offsets, rpi, out, error_flag, lens, has_lens, strict, starts, has_starts):
-    """``scatter._scatter_torch``: flag bad offsets (1) and rows (2), copy every valid segment;
-    ``has_lens``: also each request's segment length into ``lens``; ``has_starts``: segments are
-    appends, each from its column in ``starts`` on. ``strict``: bad offsets, starts or rows
-    write nothing (no flag either) and return 1, for a caller that raises
-    ``validate_scatter``'s error instead; else returns 0."""
-    bad_off, bad_rows = _scatter_bad(flat, offsets, rpi, out.shape[0], starts, has_starts)
-    if strict and (bad_off or bad_rows):
-        return 1
-    error_flag[0] |= np.int32(bad_off) * 1 | np.int32(bad_rows) * 2
-    bs = rpi.shape[0]
-    if offsets.shape[0] != bs + 1 or (has_starts and starts.shape[0] != bs) or (has_lens and lens.shape[0] < bs):
-        return 0  # arrays of the wrong length (the op checks them first): flagged, nothing read past them
-    _scatter_rows(flat, offsets, rpi, out, lens, has_lens, starts, has_starts)
-    return 0
-
-
 # C-contiguous (``::1``) where every caller passes contiguous arrays (the ops check it): indexing
 # needs no strides, and a non-contiguous batch array is refused at the call (TypeError) before
 # anything runs; tables (page table, truth, pool_out), KV sources and held slots take any layout
@@ -540,11 +491,9 @@ _CHECK_SIG = ("int64(int64[:, ::1], int64[::1], int64[::1], int64[::1], int32[:,
 _VERIFY_SIG = ("void(int64[:, ::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
                "int64[::1], int32[::1], int64[:, ::1], int64[::1], int64[:, ::1], int32[:], int32[:], int32[:], "
                "int32[:], int64[:, ::1], int64[::1], int64, int64, int64)")
-_SCATTER_SIG = ("int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[::1], int64[::1], boolean, boolean, "
-                "int64[::1], boolean)")
 # inlined: the scalar functions of the hot loops; called: the rest (inlined, their array arguments
 # became reference-count updates on every entry: 2x slower on a clean step)
 INLINED = ("_mix", "_link", "_translate", "_in_lut", "_entry_check")
 CALLED = ("_scatter_bad", "_scatter_rows", "_fingerprints", "_append", "_report_entry", "_verify_entries",
           "_verify_prefixes", "_unmark_readers", "_writes", "_stamp", "_marks_io", "_batch_ok")
-KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG), "scatter": ("_scatter", _SCATTER_SIG)}
+KERNELS = {"check": ("_check", _CHECK_SIG), "verify": ("_verify", _VERIFY_SIG)}

@@ -25,121 +25,44 @@ bit flip) is always caught; multi-word changes collide with probability about 2*
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kvcanary.core.hashing import GOLDEN, MASK64, to_signed
-from kvcanary.core.record import FINGERPRINT, SOURCE_MASK_SHIFT, SOURCE_TAG_BITS, Half, record_words
-from kvcanary.errors import InputError, InputTypeError
+from kvcanary.core.record import (
+    FINGERPRINT,
+    MAX_SOURCES,
+    SOURCE_MASK_SHIFT,
+    SOURCE_TAG_BITS,
+    FingerprintMode,
+    record_words,
+)
+from kvcanary.errors import InputTypeError
 from kvcanary.ops._common import (
     Backend,
-    Validated,
     cdiv,
     check_contiguous,
     check_len,
     check_same_device,
     check_tensor,
-    is_host,
     tl,
     triton,
     use_triton,
 )
 from kvcanary.ops._jit import mix64, source_ptr
+from kvcanary.ops.sources import (  # noqa: F401  (their home; imported from here too)
+    PARTIAL_BYTES,
+    KVSource,
+    SourceSet,
+    source_meta,
+    validate_meta,
+    validate_sources,
+)
 from kvcanary.ops.state import DeviceState, check_state
 
 FP_SEED = 0x66696E6765727072  # "fingerpr"
-MAX_SOURCES = 4
-PARTIAL_BYTES = 16
 
-
-class FingerprintMode(enum.IntEnum):
-    NONE = 0
-    PARTIAL = 1
-    ALL = 2
-
-
-@dataclass(frozen=True)
-class KVSource:
-    """One buffer of the pool as int32 words (``words``: a 1-D int32 view sharing storage)."""
-
-    words: torch.Tensor
-    num_slots: int
-    bytes_per_token: int
-    page_size: int = 1
-    page_stride_bytes: int = 0
-    half: Half = Half.K
-    layer: int = 0
-
-    def __post_init__(self):
-        check_tensor("KVSource.words", self.words, torch.int32, 1)
-        if self.words.numel() > 1 and self.words.stride(0) != 1:
-            raise InputError(f"KVSource.words must be a contiguous int32 view (stride 1), got stride "
-                             f"{self.words.stride(0)}; build it with KVSource.from_buffer(buffer)")
-        if self.words.device.type == "meta":
-            raise InputError("KVSource.words is on the meta device, which holds no data")
-        for name in ("num_slots", "bytes_per_token", "page_size", "page_stride_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InputTypeError(f"KVSource.{name} must be an int, got {type(v).__name__}")
-        if self.num_slots < 1 or self.page_stride_bytes < 0:
-            raise InputError(f"KVSource num_slots {self.num_slots} must be >= 1 and page_stride_bytes "
-                             f"{self.page_stride_bytes} >= 0")
-        if self.bytes_per_token <= 0 or self.bytes_per_token % 16:
-            raise InputError(f"bytes_per_token {self.bytes_per_token} must be a positive multiple of 16")
-        if self.page_size < 1:
-            raise InputError(f"page_size {self.page_size} < 1")
-        stride = self.page_stride_bytes or self.page_size * self.bytes_per_token
-        if stride % 16 or stride < self.page_size * self.bytes_per_token:
-            raise InputError(f"page_stride_bytes {stride} must be a multiple of 16 and >= page_size * "
-                             f"bytes_per_token ({self.page_size * self.bytes_per_token})")
-        if self.words.data_ptr() % 16:
-            raise InputError("KV source storage is not 16-byte aligned; pass the pool buffer itself, "
-                             "not an offset view")
-        last = (self.num_slots - 1) // self.page_size * stride + (self.num_slots - 1) % self.page_size * \
-            self.bytes_per_token + self.bytes_per_token
-        if last > self.words.numel() * 4:
-            raise InputError(f"KV source holds {self.words.numel() * 4} bytes, but {self.num_slots} slots need {last}")
-
-    @property
-    def page_stride(self) -> int:
-        return self.page_stride_bytes or self.page_size * self.bytes_per_token
-
-    def words_read(self, mode: FingerprintMode) -> int:
-        if mode is FingerprintMode.NONE:
-            return 0
-        n = PARTIAL_BYTES if mode is FingerprintMode.PARTIAL else self.bytes_per_token
-        return min(n, self.bytes_per_token) // 4
-
-    @classmethod
-    def from_buffer(cls, buffer: torch.Tensor, page_size: int = 1, half: Half = Half.K, layer: int = 0) -> KVSource:
-        """A source over a contiguous token-major buffer ``[num_slots, ...]`` or ``[num_pages, page_size, ...]``."""
-        if not buffer.is_contiguous():
-            raise InputError(f"KV buffer must be contiguous, got strides {buffer.stride()}")
-        paged = page_size > 1 and buffer.dim() >= 2 and buffer.shape[1] == page_size
-        num_slots = buffer.shape[0] * (page_size if paged else 1)
-        nbytes = buffer.numel() * buffer.element_size()
-        if num_slots == 0 or nbytes % num_slots:
-            raise InputError(f"KV buffer of shape {tuple(buffer.shape)} does not split into {num_slots} token rows")
-        return cls(buffer.view(-1).view(torch.uint8).view(torch.int32), num_slots, nbytes // num_slots, page_size,
-                   0, half, layer)
-
-
-def validate_sources(sources, num_slots: int, device: torch.device) -> None:
-    if len(sources) > MAX_SOURCES:
-        raise InputError(f"{len(sources)} KV sources > {MAX_SOURCES}; cover fewer layers per fingerprint group")
-    for i, src in enumerate(sources):
-        if not isinstance(src, KVSource):
-            raise InputTypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
-        if src.words.device != device:
-            raise InputError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
-        if src.num_slots < num_slots:
-            raise InputError(f"sources[{i}] covers {src.num_slots} slots < the canary's {num_slots}")
-
-
-# --- torch ---------------------------------------------------------------------------------
 
 def _word_keys(n: int, device) -> torch.Tensor:
     w = torch.arange(n, dtype=torch.int64, device=device)
@@ -239,45 +162,6 @@ def mismatch_tag(tag, fp_bad, stored_tags, exp_tags, halves, NUM_SOURCES: tl.con
     return tl.where(fp_bad, ((tag // 2) * 2) | half | (mask << 8), tl.zeros_like(mask) + tag)
 
 
-def source_meta(sources, mode: FingerprintMode, device) -> torch.Tensor:
-    """The int64[4, 4] table the kernels read: per source (page_size, page_stride_words,
-    token_words, words_read). Build it once and pass it as ``meta`` inside CUDA graphs."""
-    meta = torch.zeros(MAX_SOURCES, 4, dtype=torch.int64)
-    for i, src in enumerate(sources):
-        meta[i] = torch.tensor([src.page_size, src.page_stride // 4, src.bytes_per_token // 4, src.words_read(mode)])
-    return meta.to(device)
-
-
-def validate_meta(meta, sources, mode: FingerprintMode, device) -> torch.Tensor | None:
-    """``meta`` as passed (or built from the sources when None): int64[4, 4], contiguous, on
-    ``device``; on the host its values must be those ``source_meta`` gives (the torch path
-    reads the sources themselves, so a stale table would make the backends disagree)."""
-    if not sources:
-        return None
-    if meta is None:
-        return source_meta(sources, mode, device)
-    check_tensor("meta", meta, torch.int64, 2)
-    if tuple(meta.shape) != (MAX_SOURCES, 4) or not meta.is_contiguous():
-        raise InputError(f"meta must be a contiguous int64[{MAX_SOURCES}, 4], got shape {tuple(meta.shape)} strides "
-                         f"{meta.stride()}; build it with source_meta(sources, mode, device)")
-    if meta.device != device:
-        raise InputError(f"meta is on {meta.device} but the state is on {device}")
-    if is_host(meta):
-        # the table's values follow from these alone: an unchanged meta that matched them matches
-        shape = (mode, tuple((s.page_size, s.page_stride, s.bytes_per_token) for s in sources))
-        if _META_VALIDATED.seen(meta, (meta,), shape):
-            return meta
-        want = source_meta(sources, mode, device)
-        if not torch.equal(meta, want):
-            raise InputError(f"meta {meta[:len(sources)].tolist()} != source_meta(sources, mode) "
-                             f"{want[:len(sources)].tolist()}; rebuild it when the sources or the mode change")
-        _META_VALIDATED.remember(meta, (meta,), shape)
-    return meta
-
-
-_META_VALIDATED = Validated()
-
-
 def block_words(sources, mode: FingerprintMode, cap: int = 128) -> int:
     """The word-tile width: the largest power of two <= cap dividing every source's words_read."""
     g = 0
@@ -336,9 +220,8 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
     check_len("out", out, slots.shape[0], "len(slots)")
     canary = state.records
     device = check_same_device(records=canary, slots=slots, out=out)
-    sources = list(sources) if mode is not FingerprintMode.NONE else []
-    validate_sources(sources, canary.shape[0], device)
-    meta = validate_meta(meta, sources, mode, device)
+    kv = SourceSet.resolve(sources, mode, meta, canary.shape[0], device)
+    sources, mode, meta = kv.list(), kv.mode, kv.meta
     for name, t in (("slots", slots), ("out", out)):
         check_contiguous(name, t)
     n, num_slots = slots.shape[0], canary.shape[0]

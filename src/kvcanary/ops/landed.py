@@ -51,7 +51,6 @@ from kvcanary.ops._common import (
     tl,
     triton,
     use_triton,
-    vector_ok,
 )
 from kvcanary.ops._jit import append_violations, mix64, source_ptr
 from kvcanary.ops._ring import append_violations_torch, validate_ring
@@ -249,39 +248,6 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
     lut_t, lut_len, words, meta = _launch_args(sources, lut, out_cache_loc, device, meta)
     launch(_mark_kernel, (max(cdiv(n, BLOCK), 1),), (out_cache_loc, lut_t, *words, meta, n, state.num_slots, lut_len),
            dict(HAS_LUT=lut is not None, NUM_SOURCES=len(sources), BLOCK=BLOCK))
-
-
-class BoundMarks:
-    """``mark_writes`` into one state's sources with the state, the sources and their ``meta``
-    checked once (a Canary's HEAD on CUDA); a call checks the batch's ``out_cache_loc`` and
-    ``lut`` with attribute reads and returns False, having launched nothing, for ones
-    ``mark_writes`` would refuse (the caller then calls it, which raises the error). Triton only."""
-
-    def __init__(self, state: DeviceState, sources, meta: torch.Tensor | None = None,
-                 mode: FingerprintMode = FingerprintMode.PARTIAL):
-        check_state(state)
-        sources = list(sources)
-        if not sources:
-            raise InputError("BoundMarks needs at least one source; without sources mark_writes marks nothing")
-        validate_sources(sources, state.num_slots, state.device)
-        self.state, self.meta = state, validate_meta(meta, sources, mode, state.device)
-        self.words = source_words(sources, self.meta)
-        self.constexprs = {lut: dict(HAS_LUT=lut, NUM_SOURCES=len(sources), BLOCK=BLOCK) for lut in (False, True)}
-        self.index = state.device.index if state.device.type == "cuda" else -1
-
-    def __call__(self, out_cache_loc: torch.Tensor, lut: torch.Tensor | None = None) -> bool:
-        state, index = self.state, self.index
-        state.check()
-        if not isinstance(out_cache_loc, torch.Tensor) or not vector_ok(out_cache_loc, out_cache_loc.shape[0], index):
-            return False
-        if lut is not None and not (isinstance(lut, torch.Tensor) and vector_ok(lut, lut.shape[0], index)
-                                    and lut.shape[0] >= 1):
-            return False
-        n = out_cache_loc.shape[0]
-        launch(_mark_kernel, (max(cdiv(n, BLOCK), 1),),
-               (out_cache_loc, lut if lut is not None else out_cache_loc, *self.words, self.meta, n, state.num_slots,
-                lut.shape[0] if lut is not None else 0), self.constexprs[lut is not None])
-        return True
 
 
 def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, input_ids: torch.Tensor,

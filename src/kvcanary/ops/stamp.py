@@ -173,6 +173,30 @@ def stamp_lanes(words_ptr, seed_ptr, prefix_ptr, r, has, t, start, ids, pos, exc
 
 
 @triton.jit
+def block_links(woff_ptr, ids_ptr, pos_ptr, t, live, bs, NBITS: tl.constexpr):
+    """Written tokens ``t`` of one block (``live``: inside the batch): each one's request ``r`` (bs
+    past the last), whether it belongs to one (``has``), its request's first token ``start``, its
+    id, its position and its link (0 where it belongs to none)."""
+    r = find_segment(woff_ptr + 1, t, bs, NBITS)
+    has = live & (r < bs)
+    start = tl.load(woff_ptr + r, mask=has, other=0)
+    ids = tl.load(ids_ptr + t, mask=live, other=0)
+    pos = tl.load(pos_ptr + t, mask=live, other=0)
+    return r, has, start, ids, pos, tl.where(has, link64(ids, pos), 0)
+
+
+@triton.jit
+def block_targets(loc_ptr, lut_ptr, rpi_ptr, t, live, r, has, lut_len, HAS_LUT: tl.constexpr):
+    """The write targets of tokens ``t``: each one's ``out_cache_loc``, its slot in this pool
+    (through the window table with ``HAS_LUT``) and its request's page-table row (0 for none)."""
+    loc = tl.load(loc_ptr + t, mask=live, other=0)
+    slot = loc
+    if HAS_LUT:
+        slot = _translate(loc, lut_ptr, lut_len, True)
+    return loc, slot, tl.load(rpi_ptr + r, mask=has, other=0)
+
+
+@triton.jit
 def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, woff_ptr, seed_ptr, exp_ptr, lut_ptr,
                   tails_ptr, ring_ptr, counter_ptr, stats_ptr, n, bs, num_slots, lut_len, ring_cap, tag,
                   HAS_EXPECTED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_CARRY: tl.constexpr, NBITS: tl.constexpr,
@@ -186,12 +210,7 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
     lane = tl.arange(0, BLOCK).to(tl.int64)
     t = block_start + lane
     live = t < n
-    r = find_segment(woff_ptr + 1, t, bs, NBITS)
-    has = live & (r < bs)
-    start = tl.load(woff_ptr + r, mask=has, other=0)
-    ids = tl.load(ids_ptr + t, mask=live, other=0)
-    pos = tl.load(pos_ptr + t, mask=live, other=0)
-    lk = tl.where(has, link64(ids, pos), 0)
+    r, has, start, ids, pos, lk = block_links(woff_ptr, ids_ptr, pos_ptr, t, live, bs, NBITS)
     flag = ((t == start) | (lane == 0)).to(tl.int32)
     _, incl = tl.associative_scan((flag, lk), 0, seg_add)
     excl = incl - lk
@@ -205,11 +224,7 @@ def _stamp_kernel(words_ptr, loc_ptr, ids_ptr, pos_ptr, rpi_ptr, prefix_ptr, wof
             bb = b + lane
             carry += tl.sum(tl.load(tails_ptr + bb, mask=bb < pid, other=0).to(tl.uint64, bitcast=True), 0)
     excl += tl.where((r == r0) & (s0 < block_start), carry, 0)
-    loc = tl.load(loc_ptr + t, mask=live, other=0)
-    slot = loc
-    if HAS_LUT:
-        slot = _translate(loc, lut_ptr, lut_len, True)
-    row = tl.load(rpi_ptr + r, mask=has, other=0)
+    loc, slot, row = block_targets(loc_ptr, lut_ptr, rpi_ptr, t, live, r, has, lut_len, HAS_LUT)
     exp_tok = ids
     if HAS_EXPECTED:
         exp_tok = tl.load(exp_ptr + t, mask=live, other=0)

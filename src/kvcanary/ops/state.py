@@ -59,7 +59,7 @@ class Workspace:
     and the look-back state of up to ``max_tokens`` written tokens. Allocate once, outside any
     CUDA-graph capture."""
 
-    sync: torch.Tensor  # int64[4]: ticket, pre-phase done, finished, epoch
+    sync: torch.Tensor  # int64[4]: ticket, pre-phase done (2**32 ticket 0, 1 a verifier), finished, epoch
     write_offsets: torch.Tensor  # int64[max_bs + 1]
     seed: torch.Tensor  # int64[max_bs]
     block_sum: torch.Tensor  # int64[2 * max_blocks]: per write block, its aggregate and its inclusive sum

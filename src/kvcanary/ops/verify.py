@@ -38,7 +38,6 @@ from kvcanary.core.record import (
     Reason,
     record_words,
 )
-from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops import _cpu
 from kvcanary.ops._common import Backend, cdiv, check_programs, tl, triton, use_triton
 from kvcanary.ops._cpu import use_numba
@@ -53,11 +52,10 @@ from kvcanary.ops.fingerprint import (
     mismatch_tag_torch,
     source_halves,
     source_words,
-    validate_meta,
-    validate_sources,
 )
 from kvcanary.ops.launcher import Fixed, launch
 from kvcanary.ops.plan import Plan, validate_plan_buffers
+from kvcanary.ops.sources import SourceSet
 from kvcanary.ops.state import DeviceState
 
 R_CHAIN, R_POSITION, R_FINGERPRINT, R_TOKEN = (int(Reason.CHAIN), int(Reason.POSITION), int(Reason.FINGERPRINT),
@@ -65,13 +63,11 @@ R_CHAIN, R_POSITION, R_FINGERPRINT, R_TOKEN = (int(Reason.CHAIN), int(Reason.POS
 R_BAD_ENTRY = int(Reason.BAD_ENTRY)
 
 
-def validate_verify(state, plan, tag, sources, mode):
+def validate_verify(state, plan, tag, sources, mode, meta=None) -> tuple[int, SourceSet]:
+    """``verify``'s checks: (the tag, the sources as a ``SourceSet``)."""
     tag = validate_ring(state, tag)
     validate_plan_buffers(plan, state.device)
-    if not isinstance(mode, FingerprintMode):
-        raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
-    validate_sources(sources, state.num_slots, state.device)
-    return tag
+    return tag, SourceSet.resolve(sources, mode, meta, state.num_slots, state.device)
 
 
 def _verify_torch(state, plan, tag, sources, mode):
@@ -207,10 +203,8 @@ def verify(*, state: DeviceState, plan: Plan, tag: int, sources=(), mode: Finger
     """Check the plan's entries (see module doc) against ``state.records``; rows to ``state.ring``,
     counts to ``state.stats``. Never raises on values; raises InputTypeError / InputError (before
     anything is written) for a bad state, plan, tag, sources or ``meta``."""
-    sources = list(sources) if mode is not FingerprintMode.NONE else []
-    tag = validate_verify(state, plan, tag, sources, mode)
-    device = state.device
-    meta = validate_meta(meta, sources, mode, device)
+    tag, kv = validate_verify(state, plan, tag, sources, mode, meta)
+    sources, mode, meta, device = kv.list(), kv.mode, kv.meta, state.device
     check_programs(max_programs)
     if use_numba(backend, device):
         _cpu.verify(state, plan, tag, sources, meta)
@@ -241,34 +235,3 @@ class _VerifyLaunch:
         launch(_verify_kernel, self.grid, (tag,), self.constexprs, num_warps=4, fixed=self.fixed)
 
 
-class BoundVerify:
-    """``verify`` of one plan on one state with the state, the plan, the sources and their
-    ``meta`` checked once (a Canary's sweeps on CUDA); a call checks that the state's and the
-    plan's buffers are still those bound (addresses, shapes) and the tag, then launches: the
-    plan's entries are device values, which the kernel masks. Triton only."""
-
-    def __init__(self, state: DeviceState, plan: Plan, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
-                 meta: torch.Tensor | None = None, max_programs: int = 1024):
-        sources = list(sources) if mode is not FingerprintMode.NONE else []
-        validate_verify(state, plan, 0, sources, mode)
-        meta = validate_meta(meta, sources, mode, state.device)
-        check_programs(max_programs)
-        self.state, self.plan = state, plan
-        self._layout = _plan_layout(plan)
-        self._tags: set[int] = set()
-        self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
-
-    def __call__(self, tag: int) -> None:
-        self.state.check()
-        if _plan_layout(self.plan) != self._layout:
-            raise InputError("plan buffers were resized or replaced since the BoundVerify was built; bind it again")
-        if tag not in self._tags:
-            validate_ring(self.state, tag)
-            if type(tag) is int:
-                self._tags.add(tag)
-        self._launch.launch(tag)
-
-
-def _plan_layout(plan: Plan) -> tuple:
-    return tuple((t.data_ptr(), t.shape) for t in (plan.slot, plan.pred, plan.position, plan.token, plan.entry,
-                                                   plan.row, plan.count, plan.enable))

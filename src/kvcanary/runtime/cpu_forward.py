@@ -6,7 +6,7 @@ the tiny model: ~70 µs of checks around ~40 µs of HEAD). What they check split
 
 | what                                             | checked                                     |
 |--------------------------------------------------|---------------------------------------------|
-| the canary's own buffers, sources and their table | once, when the canary is built (here)       |
+| the canary's own buffers, sources and their table | once, when the canary is built (``SourceSet``) |
 | a batch's dtypes, ranks, lengths, device          | by ``ForwardBatch`` when the batch is built |
 | its table strides and sizes                       | once per batch (``host_forward_ok``)        |
 | its contiguity                                    | by the kernel's signature, at every call    |
@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 
 from kvcanary.config import CanaryConfig
-from kvcanary.errors import KVCanaryError
 from kvcanary.ops.backend import BoundForward, batch_arrays
-from kvcanary.ops.fingerprint import validate_meta, validate_sources
+from kvcanary.ops.sources import SourceSet
 from kvcanary.ops.state import DeviceState
 from kvcanary.ops.validation import host_forward_ok
 from kvcanary.runtime.batch import ForwardBatch
@@ -36,16 +35,12 @@ from kvcanary.runtime.batch import ForwardBatch
 class CpuForward:
     """The compiled per-forward path of one CPU Canary (see the module doc)."""
 
-    def __init__(self, config: CanaryConfig, state: DeviceState, sources, meta, truth: torch.Tensor,
+    def __init__(self, config: CanaryConfig, state: DeviceState, kv: SourceSet, truth: torch.Tensor,
                  truth_lens: torch.Tensor, window: int, sweep_capacity: int):
         self.config, self.state = config, state
-        try:  # what check_forward would check of the canary's own arguments on every call
-            validate_sources(sources, state.num_slots, state.device)
-            meta = validate_meta(meta, sources, config.real_kv, state.device)
-        except KVCanaryError:  # refused: every call takes the ops' path, which raises it
-            self.bound = None
-        else:
-            self.bound = BoundForward(state, sources, meta, truth, truth_lens, window, sweep_capacity)
+        # the sources and their table: checked when ``kv`` was built; None here: every call takes the op
+        self.bound: BoundForward | None = BoundForward(state, kv.list(), kv.meta, truth, truth_lens, window,
+                                                       sweep_capacity)
         self.truth_rows = truth.shape[0]
         self.error = memoryview(state.error.numpy())  # the error flags, read at every end_step (CPython, not numpy)
         ws = state.workspaces[0] if state.workspaces else None

@@ -1,7 +1,7 @@
 """CUDA: an eager forward's HEAD and TAIL as graph replays (``CanaryConfig.eager_graphs``).
 
 An eager forward launches HEAD and TAIL between its model's launches, where the engine's host is
-the step's bottleneck: each bound launch (``ops.check.BoundCheck``) checks, keys and passes 57
+the step's bottleneck: each bound launch (``ops.bound.BoundCheck``) checks, keys and passes 57
 arguments, about 90 and 110 µs of host time an eager forward on an H200. Here each is a graph
 replay instead, one graph each per bucket of batch sizes: the batch's tensors are copied into the
 bucket's fixed buffers, padding included, in one ``torch._foreach_copy_`` (``EagerBuffers``),
@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvcanary.ops.check import BoundCheck
+from kvcanary.ops.bound import BoundCheck
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.capture import collection_paused
 

@@ -435,8 +435,7 @@ class EngineService(AdminTarget):
                 for i in self.fault_hooks.injections]
 
     def recover(self, recovery: Recovery) -> None:
-        known = [r for r in recovery.requests if r in self.engine.requests]
-        self.engine.recompute(known, torch.tensor(recovery.slots, dtype=torch.int64), since_step=recovery.since_step)
+        self.engine.apply_recovery(recovery)
 
     def engine_status(self, reveal: bool = True) -> dict:
         """The engine's state; without ``reveal`` the recent requests are counts and timings only

@@ -1,0 +1,163 @@
+"""Rows that travel with K/V: a slot's record and its source-tag side word (``ROW_BYTES``), moved
+wherever the engine copies the slot's K/V.
+
+``export_rows`` / ``import_rows`` (a transfer: imported rows are verified at once), ``land_rows``
+(written unverified), and a host mirror for a host offload tier (``attach_host_tier``):
+``offload`` / ``load_back`` (verified at once), or ``row_pairs`` for an engine that moves K/V
+rows with a batched copy of its own, which then reports the rows it landed (``rows_landed``).
+Every call checks its slots and rows before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvcanary.core.record import POSITION, RECORD_BYTES, ROW_BYTES
+from kvcanary.errors import ConfigError, KVCanaryError
+from kvcanary.runtime.context import CanaryContext
+from kvcanary.runtime.forward import Forward
+from kvcanary.runtime.sweeping import Sweeper
+
+_SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+_SIDE_BYTES = ROW_BYTES - RECORD_BYTES
+
+
+def _outside(t: torch.Tensor, n: int) -> bool:
+    """Whether an integer of ``t`` (one of ``_SLOT_DTYPES``) lies outside [0, n). On the host, for
+    64- and 32-bit words, one reduction of the words as unsigned: a negative one wraps above any
+    n they can address. On CUDA: one reduction (the least and the largest), one small copy."""
+    if not t.numel():
+        return False
+    if t.is_cuda:
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        return lo < 0 or hi >= n
+    v = t.numpy()
+    if v.itemsize == 8:
+        return int(v.view(np.uint64).max()) >= n
+    if v.itemsize == 4 and n <= 1 << 31:
+        return int(v.view(np.uint32).max()) >= n
+    return int(v.min()) < 0 or int(v.max()) >= n
+
+
+def _position_of(row: torch.Tensor) -> int:
+    """The position a host row (uint8[ROW_BYTES], on the host) of ``export_rows`` holds."""
+    return int(row[8 * POSITION: 8 * POSITION + 8].numpy().view(np.int64)[0])
+
+
+class Rows:
+    """The travelling rows of one canary (see the module doc); the public methods are the
+    Canary's, which documents them."""
+
+    def __init__(self, ctx: CanaryContext, forward: Forward, sweeper: Sweeper):
+        self.ctx, self.state, self.forward, self.sweeper = ctx, ctx.state, forward, sweeper
+        self.host_rows: torch.Tensor | None = None
+        self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
+
+    def check_slots(self, op: str, name: str, slots: torch.Tensor) -> None:
+        """KVCanaryError naming the first of ``slots`` outside the pool, before anything is read or
+        written (the gathers would stop the device on it, and a negative slot would index from the
+        end; slots on CUDA: one reduction and one small copy to the host)."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES:
+            got = f"{slots.dtype} tensor" if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise KVCanaryError(f"{op} {name} must be a tensor of signed integer slots (int64, int32, int16 or "
+                                f"int8), got {got}")
+        n = self.state.num_slots
+        if not _outside(slots, n):
+            return
+        flat = slots.reshape(-1)
+        i = int(torch.nonzero((flat < 0) | (flat >= n))[0])
+        raise KVCanaryError(f"{op} {name}[{i}] = {int(flat[i])} out of range [0, {n}) (this pool's slots)")
+
+    def export(self, slots: torch.Tensor) -> torch.Tensor:
+        self.forward.join()
+        index = slots.to(self.state.device)
+        tags = self.state.source_tags[index].view(torch.uint8).view(-1, _SIDE_BYTES)
+        return torch.cat([self.state.records[index], tags], dim=1)
+
+    def land(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        n = slots.numel()
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (n, ROW_BYTES):
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise KVCanaryError(f"rows must be uint8[{n}, {ROW_BYTES}] (one export_rows row per slot), got {got}; "
+                                "pass what export_rows gave")
+        self.forward.join()
+        dev = self.state.device
+        index, rows = slots.to(dev), rows.to(dev)
+        self.state.records[index] = rows[:, :RECORD_BYTES]
+        self.state.source_tags[index] = rows[:, RECORD_BYTES:].contiguous().view(torch.int64).view(-1)
+
+    def import_(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.land(slots, rows)
+        # rows on the host: the first landed position read there (the same bytes), not from the device
+        self.landed(slots, _position_of(rows[0]) if len(rows) and not rows.is_cuda else None)
+
+    def landed(self, slots: torch.Tensor, first_position: int | None) -> None:
+        """Rows just written into ``slots``: their incidents close, and they are verified at once."""
+        self.ctx.incidents.note(self.ctx.step.step, slots, "rewritten")
+        self.sweeper.verify_landed(slots, first_position)
+
+    def attach_host_tier(self, num_rows: int) -> None:
+        if type(num_rows) is not int or num_rows < 1:
+            raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
+        records = self.state.records
+        self.host_rows = torch.zeros(num_rows, ROW_BYTES, dtype=torch.uint8, pin_memory=records.is_cuda)
+        if not records.is_cuda:  # the CPU: offloads copy rows through numpy views, no torch call
+            self._host_views = (records.numpy(), self.state.source_tags.numpy().view(np.uint8).reshape(-1, _SIDE_BYTES),
+                                self.host_rows.numpy())
+
+    def row_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        if self.host_rows is None:
+            raise KVCanaryError("row_pairs() before attach_host_tier(): there is no host mirror to copy into; call "
+                                "canary.attach_host_tier(num_host_rows) once after building the Canary")
+        records, tags = self.state.records, self.state.source_tags.view(torch.uint8).view(-1, _SIDE_BYTES)
+        return (records, self.host_rows[:, :RECORD_BYTES]), (tags, self.host_rows[:, RECORD_BYTES:])
+
+    def rows_landed(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        self.check_host_move("rows_landed", device_slots, host_rows)
+        if not self.ctx.config.enabled or not device_slots.numel():
+            return
+        t0 = time.perf_counter()
+        self.landed(device_slots, _position_of(self.host_rows[int(host_rows[0])]))
+        self.ctx.totals.seconds += time.perf_counter() - t0
+
+    def offload(self, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        self.check_host_move("offload", device_slots, host_rows)
+        if not self.ctx.config.enabled:
+            return
+        t0 = time.perf_counter()
+        if self._host_views is not None and not device_slots.is_cuda and not host_rows.is_cuda:
+            records, tags, host = self._host_views
+            slots, rows = device_slots.numpy(), host_rows.numpy()
+            moved = records[slots], tags[slots]  # both read before any row is written (a bad slot raises here)
+            host[rows, :RECORD_BYTES], host[rows, RECORD_BYTES:] = moved
+        else:
+            self.host_rows[host_rows.cpu()] = self.export(device_slots).cpu()
+        self.ctx.totals.seconds += time.perf_counter() - t0
+
+    def load_back(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self.check_host_move("load_back", device_slots, host_rows)
+        if self.ctx.config.enabled:
+            t0 = time.perf_counter()
+            self.import_(device_slots, self.host_rows[host_rows.cpu()])
+            self.ctx.totals.seconds += time.perf_counter() - t0
+
+    def check_host_move(self, op: str, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        if self.host_rows is None:
+            raise KVCanaryError(f"{op}() before attach_host_tier(): this canary has no host tier, so the records "
+                                f"of offloaded slots would not travel and a load-back could not be verified; call "
+                                f"canary.attach_host_tier(num_host_rows) once after building the Canary")
+        for name, t in (("device_slots", device_slots), ("host_rows", host_rows)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise KVCanaryError(f"{op} {name} must be an int64[n] tensor, got {got}")
+        if device_slots.shape != host_rows.shape:
+            raise KVCanaryError(f"{op} device_slots length {device_slots.numel()} != host_rows length "
+                                f"{host_rows.numel()}; pass one host row per slot")
+        if _outside(host_rows, self.host_rows.shape[0]):
+            lo, hi = int(host_rows.min()), int(host_rows.max())
+            raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
+                                f"num_rows), got values in [{lo}, {hi}]")
+        self.check_slots(op, "device_slots", device_slots)
