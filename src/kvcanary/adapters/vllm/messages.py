@@ -32,7 +32,10 @@ class StepMessage(KVConnectorMetadata):
     # request id -> (True: its whole block list, False: blocks appended to it) per KV cache group
     blocks: dict[str, tuple[bool, list[list[int]]]] = field(default_factory=dict)
     gone: list[str] = field(default_factory=list)  # requests that finished or were preempted
-    sweep: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (blocks, their tokens) from position 0
+    # runs of cached blocks to sweep from position 0: (run id, blocks, their tokens, or None where the
+    # workers hold them from an earlier sweep); runs the workers may forget
+    sweep: list[tuple[str, list[int], list[int] | None]] = field(default_factory=list)
+    sweep_dropped: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -36,6 +36,9 @@ class SchedulerSide:
         self.free_rows = list(range(max_num_seqs, 0, -1))  # row 0 is the padding row
         # finished requests' full cached blocks of group 0, with the block hash each had then
         self.runs: OrderedDict[str, tuple[list[int], list[object], list[int]]] = OrderedDict()
+        # runs whose tokens the workers hold (run id -> its block count then), and runs they may drop
+        self.sent: dict[str, int] = {}
+        self.dropped: list[str] = []
         self.block_pool = None
         self.kv_cache_manager = None
         self.quarantined = 0
@@ -106,6 +109,7 @@ class SchedulerSide:
                     msg.fresh_blocks[g].extend(ids[c // self.block_sizes[g]:] if resumed else ids)
         if self.settings.sweep_interval and self.step % self.settings.sweep_interval == 0:
             msg.sweep = self._sweep_runs()
+        msg.sweep_dropped, self.dropped = self.dropped, []
         return msg
 
     def _tokens(self, req_id: str, start: int, end: int, fallback=None) -> list[int]:
@@ -135,34 +139,44 @@ class SchedulerSide:
         if blocks:
             self.runs[rid] = (blocks, hashes, list(request.all_token_ids[: len(blocks) * bs]))
             while len(self.runs) > MAX_RUNS:
-                self.runs.popitem(last=False)
+                self._drop(next(iter(self.runs)))
 
-    def _sweep_runs(self) -> list[tuple[list[int], list[int]]]:
+    def _drop(self, rid: str) -> None:
+        del self.runs[rid]
+        if self.sent.pop(rid, None) is not None:
+            self.dropped.append(rid)
+
+    def _sweep_runs(self) -> list[tuple[str, list[int], list[int] | None]]:
         """The cached runs still held as they were (the longest prefix of each whose blocks keep
-        their hash), up to the sweep budget; the runs sent go to the back of the queue."""
+        their hash), up to the sweep budget, as (run id, blocks, tokens); tokens are None where the
+        workers already hold them. The runs sent go to the back of the queue."""
         if self.block_pool is None:
             return []
         bs = self.block_sizes[0]
         budget = max(self.settings.sweep_budget_bytes // ENTRY_BYTES, bs)
-        out, sent, dead = [], 0, []
-        for rid, (blocks, hashes, tokens) in self.runs.items():
+        chosen, sent = [], 0
+        for rid in list(self.runs):
+            blocks, hashes, tokens = self.runs[rid]
             keep = 0
             for bid, h in zip(blocks, hashes, strict=True):
                 if self.block_pool.blocks[bid].block_hash is not h:
                     break
                 keep += 1
             if not keep:
-                dead.append(rid)
+                self._drop(rid)
                 continue
-            out.append((blocks[:keep], tokens[: keep * bs]))
+            if keep < len(blocks):  # its tail was evicted: the run is its still-cached prefix from now on
+                self.runs[rid] = (blocks[:keep], hashes[:keep], tokens[: keep * bs])
+            chosen.append(rid)
             sent += keep * bs
             if sent >= budget:
                 break
-        for rid in dead:
-            del self.runs[rid]
-        for _ in out:
-            rid, run = self.runs.popitem(last=False)
-            self.runs[rid] = run
+        out = []
+        for rid in chosen:
+            blocks, _, tokens = self.runs.pop(rid)
+            self.runs[rid] = (blocks, _, tokens)
+            out.append((rid, blocks, None if self.sent.get(rid) == len(blocks) else tokens))
+            self.sent[rid] = len(blocks)
         return out
 
     def absorb(self, report: WorkerReport | None) -> None:
@@ -176,7 +190,7 @@ class SchedulerSide:
         self.quarantined += len(blocks)
         self.unreported += len(blocks)
         for rid in [r for r, (bl, _, _) in self.runs.items() if blocks.intersection(bl)]:
-            del self.runs[rid]
+            self._drop(rid)
         log.warning("kv-canary: %d damaged block(s) left the prefix cache: %s", len(blocks), sorted(blocks))
 
     def take_stats(self) -> CanaryStats | None:

@@ -104,9 +104,25 @@ class GroupCanary:
         self.req_to_token = torch.zeros(rows, self.max_ctx, dtype=torch.int32, device=device)
         self.table = self.req_to_token.numpy() if device.type == "cpu" else None
         self.blocks = np.zeros((rows, self.max_blocks), dtype=np.int32)  # block ids the table was expanded from
-        self.tokens = np.full((rows, self.max_ctx), -1, dtype=np.int64)  # each row's token ids, as sent
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]  # each row's token ids, as sent
         self.lut = torch.arange(self.num_slots, dtype=torch.int64, device=device) if window else None
         self.offsets = np.arange(bs, dtype=np.int32)
+        # the sweep runs this group was sent, by run id (the canary keeps a run's entries while it is
+        # passed the same SweepRun object: a sweep over runs seen before costs no rebuild)
+        self.runs: dict[str, SweepRun] = {}
+
+    def sweep_runs(self, msg: StepMessage) -> list[SweepRun]:
+        for rid in msg.sweep_dropped:
+            self.runs.pop(rid, None)
+        out = []
+        for rid, blocks, tokens in msg.sweep:
+            run = self.runs.get(rid)
+            if tokens is not None or run is None or run.slots.numel() != len(blocks) * self.spec.block_size:
+                if tokens is None:
+                    continue  # not held here (cannot happen while the two halves agree): swept once resent
+                run = self.runs[rid] = SweepRun(self.slots_of_blocks(blocks), tuple(tokens), 0)
+            out.append(run)
+        return out
 
     def slots_of_blocks(self, blocks) -> torch.Tensor:
         b = np.asarray(blocks, dtype=np.int64)
@@ -251,8 +267,7 @@ class WorkerSide:
             for g in self.groups:
                 if g.spec.window:
                     continue  # sweeps cover the full-attention groups (their runs start at position 0)
-                runs = [SweepRun(g.slots_of_blocks(blocks), tuple(tokens), 0) for blocks, tokens in msg.sweep]
-                g.canary.sweep(runs)
+                g.canary.sweep(g.sweep_runs(msg))
                 self.counts["sweeps"] += 1
 
     def _waves(self, g: GroupCanary, view: StepView, msg: StepMessage) -> list[ForwardBatch]:
@@ -271,11 +286,15 @@ class WorkerSide:
         num_tokens = int(qsl[-1])
         parts = _Parts(rows, seq - extend, extend, qsl, md.slot_mapping[:num_tokens].to(torch.int64),
                        view.input_ids[:num_tokens].to(torch.int64), view.positions[:num_tokens].to(torch.int64))
-        for (row, start, tokens) in requests:
-            g.tokens[row, start: start + len(tokens)] = tokens
+        first = []
+        for r, (row, start, tokens) in enumerate(requests):
+            history = g.tokens[row]
+            del history[start:]
+            history.extend(tokens)
+            if start == 0:
+                first.append(r)
         # only a request's first forward (truth from 0) can hit blocks written in the same forward
-        waiting = [r for r in range(n) if requests[r][1] == 0 and parts.prefix[r] > 0]
-        waiting = [r for r in waiting if self._reads_writes_of(g, parts, r, range(n))]
+        waiting = [r for r in first if parts.prefix[r] > 0 and self._reads_writes_of(g, parts, r, range(n))]
         if not waiting:
             return [self._batch(g, view, msg, parts, None)]
         waves = [[r for r in range(n) if r not in waiting]]
@@ -357,8 +376,8 @@ class WorkerSide:
             if not isinstance(rid, str) or rid not in msg.requests:
                 continue  # a sweep's "cache", or a request not in this forward
             if v.reasons & identity and not v.reasons & ~(identity | Reason.CHAIN):
-                row = msg.requests[rid][0]
-                same_token = position < g.max_ctx and int(g.tokens[row, position]) == v.token
+                history = g.tokens[msg.requests[rid][0]]
+                same_token = position < len(history) and history[position] == v.token
                 if same_token and position == v.position:
                     continue
             out.append((rid, position))
