@@ -53,6 +53,8 @@ def bench(
     from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
     from kvcanary.bench.step import run_step_command
 
+    what = opt.choice(BenchWhat)(what)  # a default, or a typer that hands the raw string on: the member
+    device = None if device is None else opt.choice(opt.DeviceChoice)(device)
     if device is None:
         device = opt.DeviceChoice.CUDA if torch.cuda.is_available() else opt.DeviceChoice.CPU
     if device is opt.DeviceChoice.CUDA and not torch.cuda.is_available():

@@ -112,7 +112,7 @@ def run(
     """The main job: summary on stdout, JSON report with ``--report``."""
     opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
-    if engine is opt.EngineChoice.TRANSFORMERS:
+    if opt.EngineChoice(engine) is opt.EngineChoice.TRANSFORMERS:
         require_extra("transformers", "transformers", "--engine transformers")
     from kvcanary.runs.run import run as run_options
     from kvcanary.runs.setup import RunOptions

@@ -95,13 +95,22 @@ class KVSource:
                    0, half, layer)
 
 
+def canonical_device(device) -> torch.device:
+    """``device`` with its index: ``cuda`` and ``cuda:0`` name one device (on a machine whose current
+    device is 0), and tensors report the indexed form."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def validate_sources(sources, num_slots: int, device: torch.device) -> None:
     if len(sources) > MAX_SOURCES:
         raise InputError(f"{len(sources)} KV sources > {MAX_SOURCES}; cover fewer layers per fingerprint group")
     for i, src in enumerate(sources):
         if not isinstance(src, KVSource):
             raise InputTypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
-        if src.words.device != device:
+        if src.words.device != canonical_device(device):
             raise InputError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
         if src.num_slots < num_slots:
             raise InputError(f"sources[{i}] covers {src.num_slots} slots < the canary's {num_slots}")
@@ -131,7 +140,7 @@ def validate_meta(meta, sources, mode: FingerprintMode, device) -> torch.Tensor 
     if tuple(meta.shape) != (MAX_SOURCES, 4) or not meta.is_contiguous():
         raise InputError(f"meta must be a contiguous int64[{MAX_SOURCES}, 4], got shape {tuple(meta.shape)} strides "
                          f"{meta.stride()}; build it with source_meta(sources, mode, device)")
-    if meta.device != device:
+    if meta.device != canonical_device(device):
         raise InputError(f"meta is on {meta.device} but the state is on {device}")
     if is_host(meta):
         # the table's values follow from these alone: an unchanged meta that matched them matches
@@ -170,7 +179,7 @@ class SourceSet:
         if not isinstance(mode, FingerprintMode):
             raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
         kept = list(sources) if mode is not FingerprintMode.NONE else []
-        device = torch.device(device)
+        device = canonical_device(device)
         validate_sources(kept, num_slots, device)
         return cls(tuple(kept), mode, validate_meta(meta, kept, mode, device), num_slots, device)
 
@@ -181,7 +190,7 @@ class SourceSet:
         be for this device and cover ``num_slots``), else one is built (``build``)."""
         if not isinstance(sources, SourceSet):
             return cls.build(sources, mode, num_slots, device, meta)
-        if sources.device != torch.device(device) or sources.num_slots < num_slots:
+        if sources.device != canonical_device(device) or sources.num_slots < num_slots:
             raise InputError(f"SourceSet built for {sources.num_slots} slots on {sources.device}, used for "
                              f"{num_slots} on {device}; build one for this state")
         return sources
