@@ -30,8 +30,8 @@ class BenchWhat(str, enum.Enum):
                   "on the CPU eager calls are timed with perf_counter. Prints a table last; exit status 1 when a "
                   "cross-check differs, a timed step reports a violation or a part fails.")
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(parser=opt.choice(BenchWhat),
-                                              help="ops, overhead, step, or all (ops and overhead).")] = "all",
+    what: Annotated[str, typer.Argument(metavar="<ops|overhead|step|all>",
+                                        help="ops, overhead, step, or all (ops and overhead).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Tiny shapes that run in seconds on the CPU.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON here.")] = None,
     markdown: Annotated[Path | None, typer.Option("--markdown", help="Write the overhead table as Markdown here.")]
@@ -53,7 +53,10 @@ def bench(
     from kvcanary.bench.overhead import MODES, markdown_table, run_overhead
     from kvcanary.bench.step import run_step_command
 
-    what = opt.choice(BenchWhat)(what)  # a default, or a typer that hands the raw string on: the member
+    try:  # a plain argument, parsed here: typer versions differ on parsers of arguments
+        what = opt.choice(BenchWhat)(what)
+    except typer.BadParameter as e:
+        raise typer.BadParameter(e.message, param_hint="'what'") from None
     device = None if device is None else opt.choice(opt.DeviceChoice)(device)
     if device is None:
         device = opt.DeviceChoice.CUDA if torch.cuda.is_available() else opt.DeviceChoice.CPU
