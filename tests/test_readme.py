@@ -33,7 +33,7 @@ def test_the_pages_have_runnable_python_blocks_and_no_other_python_fence():
     assert len(BLOCKS) >= 3  # the README's quick start, the admin routes, transformers
     for page in PAGES:
         fences = re.findall(r"^```(\w*)$", page.read_text(), flags=re.M)
-        assert all(f in ("", "python", "bash", "console") for f in fences), (page.name, fences)
+        assert all(f in ("", "python", "bash", "console", "json") for f in fences), (page.name, fences)
 
 
 def test_the_readme_blocks_import_the_public_api_only():

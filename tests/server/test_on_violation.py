@@ -42,12 +42,28 @@ async def _wait(check, timeout: float = 30.0):
     pytest.fail(f"not within {timeout} s")
 
 
-def _flip_victim(service, engine_id: int) -> int:
-    """Flip a fingerprinted bit of the victim's prompt slot at position 2 between two steps."""
-    with service.lock:
-        slot = int(service.engine.requests[engine_id].slots[2])
-        flip_bit(service.engine, 0, Half.K, slot, 0, 1)
-    return slot
+def _flip_victim(service):
+    """Once the victim has produced output, flip a fingerprinted bit of its prompt slot at position
+    2. Runs on the engine thread between two steps (``service.run``: a thread polling the lock
+    could starve while the engine steps), so the victim is still running when its bit flips.
+    Returns its Generation, or None while it has no output."""
+    gen = next((g for g in service.live.values() if g.client_id == "victim"), None)
+    request = service.engine.requests.get(gen.engine_id) if gen is not None else None
+    if request is None or not request.output_ids:
+        return None
+    flip_bit(service.engine, 0, Half.K, int(request.slots[2]), 0, 1)
+    return gen
+
+
+async def _flip_on_the_engine_thread(service, timeout: float = 30.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        gen = await service.run(lambda: _flip_victim(service))
+        if gen is not None:
+            return gen
+        await asyncio.sleep(0.001)
+    pytest.fail(f"the victim produced no output within {timeout} s")
 
 
 def _sse(lines: list[str]) -> list:
@@ -70,12 +86,9 @@ def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda, ca
             async with httpx.AsyncClient(base_url=base, timeout=60) as c:
                 body = {"prompt": VICTIM, "max_tokens": 400, "stream": stream}
                 victim = asyncio.create_task(c.post("/v1/completions", json=body, headers={"X-Request-Id": "victim"}))
-                gen = await _wait(lambda: next((g for g in service.live.values() if g.client_id == "victim"
-                                                and service.engine.requests[g.engine_id].output_ids), None))
                 clean = asyncio.create_task(c.post("/v1/completions", json={"prompt": CLEAN,
                                                                             "max_tokens": CLEAN_TOKENS}))
-                await _wait(lambda: len(service.live) == 2)
-                _flip_victim(service, gen.engine_id)
+                gen = await _flip_on_the_engine_thread(service)
                 return gen, await victim, await clean
 
         gen, victim, clean = asyncio.run(main())
