@@ -14,6 +14,25 @@ from kvcanary.cli import options as opt
 from kvcanary.cli._app import app, err_console, options_checked, require_extra, setup_logging
 
 SERVE = opt.Defaults()  # the defaults of the options below that every command shares
+OnViolation = Annotated[str, typer.Option("--on-violation", metavar="<fail-requests|stop>",
+                                          help="Under --policy raise: fail-requests ends the requests that read the "
+                                               "damage with an error and keeps serving the rest; stop stops the "
+                                               "engine (every later request 503 until a restart).")]
+
+
+def _check_exposure(host: str, refused: bool) -> None:
+    if refused:
+        raise typer.BadParameter(f"binding {host} (beyond loopback) without --admin-token would let anyone who "
+                                 "reaches it read cached content and change state; set --admin-token (or "
+                                 "KVCANARY_ADMIN_TOKEN), or pass --allow-no-token to accept that", param_hint="--host")
+
+
+def _check_on_violation(on_violation: str, policy: opt.PolicyChoice) -> None:
+    if on_violation not in ("fail-requests", "stop"):
+        raise typer.BadParameter(f"must be fail-requests or stop, got {on_violation!r}", param_hint="--on-violation")
+    if on_violation == "stop" and policy is not opt.PolicyChoice.RAISE:
+        raise typer.BadParameter(f"stop acts under --policy raise only, got --policy {policy.value}; pass "
+                                 "--policy raise or drop --on-violation", param_hint="--on-violation")
 
 
 @app.command(help="Serve the reference engine with the canary on: OpenAI-compatible POST /v1/completions and "
@@ -28,11 +47,7 @@ def serve(
     device: opt.Device = SERVE.device.value,
     seed: opt.Seed = SERVE.seed,
     policy: opt.PolicyOption = SERVE.policy.value,
-    on_violation: Annotated[str, typer.Option("--on-violation", metavar="<fail-requests|stop>",
-                                              help="Under --policy raise: fail-requests ends the requests that read "
-                                                   "the damage with an error and keeps serving the rest; stop stops "
-                                                   "the engine (every later request 503 until a restart).")
-                            ] = "fail-requests",
+    on_violation: OnViolation = "fail-requests",
     real_kv: opt.RealKv = SERVE.real_kv.value,
     sweep_interval: opt.SweepInterval = SERVE.sweep_interval,
     sweep_budget: opt.SweepBudget = SERVE.sweep_budget,
@@ -74,16 +89,8 @@ def serve(
     opt.set_threads(threads, model)
     setup_logging(logging.INFO if stats_period or verbose else logging.WARNING)
     exposed = not is_loopback(host)
-    if exposed and admin_token is None and not allow_no_token:
-        raise typer.BadParameter(f"binding {host} (beyond loopback) without --admin-token would let anyone who "
-                                 "reaches it read cached content and change state; set --admin-token (or "
-                                 "KVCANARY_ADMIN_TOKEN), or pass --allow-no-token to accept that", param_hint="--host")
-    if on_violation not in ("fail-requests", "stop"):
-        raise typer.BadParameter(f"must be fail-requests or stop, got {on_violation!r}", param_hint="--on-violation")
-    chosen = opt.PolicyChoice(policy)
-    if on_violation == "stop" and chosen is not opt.PolicyChoice.RAISE:
-        raise typer.BadParameter(f"stop acts under --policy raise only, got --policy {chosen.value}; pass "
-                                 "--policy raise or drop --on-violation", param_hint="--on-violation")
+    _check_exposure(host, exposed and admin_token is None and not allow_no_token)
+    _check_on_violation(on_violation, opt.PolicyChoice(policy))
     with options_checked():
         config = ServeConfig(
             model=model_config(opt.model_preset(model), seed),

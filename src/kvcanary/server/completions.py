@@ -215,86 +215,92 @@ class _Prepared:
         self.sampling, self.stops = sampling, stops
 
 
-def completions_router(service: EngineService) -> APIRouter:
-    r = APIRouter()
-    name = service.config.model_name
-    vocab = service.config.model.vocab_size
-    limits = service.limits
-    tokenizer = ByteTokenizer(vocab) if vocab >= 256 else None
+class _Completions:
+    """The OpenAI-compatible routes over one ``EngineService`` (its model name, vocabulary and
+    limits read once)."""
 
-    def text_of(gen: Generation) -> str:
+    def __init__(self, service: EngineService):
+        self.service = service
+        self.name = service.config.model_name
+        self.vocab = service.config.model.vocab_size
+        self.limits = service.limits
+        self.tokenizer = ByteTokenizer(self.vocab) if self.vocab >= 256 else None
+
+    def text_of(self, gen: Generation) -> str:
         return gen.text.text if gen.text is not None else " ".join(map(str, gen.tokens))
 
-    def check_common(req: _Sampling, max_tokens: int | None, tokens_param: str) -> int:
-        if req.model not in (None, name):
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {name!r}", "model")
+    def check_common(self, req: _Sampling, max_tokens: int | None, tokens_param: str) -> int:
+        if req.model not in (None, self.name):
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {self.name!r}", "model")
         if req.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {req.n}", "n")
         check_supported(req)
-        if max_tokens is None or max_tokens < 1 or max_tokens > limits.max_tokens:
-            raise ApiError(400, f"{tokens_param}: must be an int in [1, {limits.max_tokens}], got {max_tokens!r}",
+        if max_tokens is None or max_tokens < 1 or max_tokens > self.limits.max_tokens:
+            raise ApiError(400, f"{tokens_param}: must be an int in [1, {self.limits.max_tokens}], got {max_tokens!r}",
                            tokens_param)
         return max_tokens
 
-    def check_ids(ids: list[list[int]]) -> None:
+    def check_ids(self, ids: list[list[int]]) -> None:
         for i, p in enumerate(ids):
-            if not p or not all(0 <= t < vocab for t in p):
-                raise ApiError(400, f"prompt[{i}]: must be non-empty with token ids in [0, {vocab}), got "
+            if not p or not all(0 <= t < self.vocab for t in p):
+                raise ApiError(400, f"prompt[{i}]: must be non-empty with token ids in [0, {self.vocab}), got "
                                     f"{str(p[:8])[:60]}", "prompt")
 
-    def prepare_completion(req: CompletionRequest) -> _Prepared:
-        max_tokens = check_common(req, req.max_tokens, "max_tokens")
+    def prepare_completion(self, req: CompletionRequest) -> _Prepared:
+        max_tokens = self.check_common(req, req.max_tokens, "max_tokens")
         single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
         prompts = [req.prompt] if single else list(req.prompt)
         if not prompts:
             raise ApiError(400, "prompt: must not be empty", "prompt")
-        if len(prompts) > limits.max_prompts:
+        if len(prompts) > self.limits.max_prompts:
             raise ApiError(400, f"prompt: {len(prompts)} prompts in one request exceed the cap of "
-                                f"{limits.max_prompts} (ServeLimits.max_prompts); split the request", "prompt")
+                                f"{self.limits.max_prompts} (ServeLimits.max_prompts); split the request", "prompt")
         ids = []
         for p in prompts:
             if isinstance(p, str):
-                if tokenizer is None:
-                    raise ApiError(400, f"prompt: the model's vocabulary ({vocab}) is too small for byte-level "
+                if self.tokenizer is None:
+                    raise ApiError(400, f"prompt: the model's vocabulary ({self.vocab}) is too small for byte-level "
                                         "text; send token ids", "prompt")
-                ids.append(_encode(tokenizer, p, "prompt"))
+                ids.append(_encode(self.tokenizer, p, "prompt"))
             else:
                 ids.append(list(p))
-        check_ids(ids)
+        self.check_ids(ids)
         return _Prepared(ids, max_tokens, [p if isinstance(p, str) and req.echo else None for p in prompts],
-                         sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
+                         sampling_params(req), stop_strings(req, self.tokenizer is not None, self.vocab))
 
-    def prepare_chat(req: ChatRequest) -> _Prepared:
-        max_tokens = check_common(req, req.max_completion_tokens or req.max_tokens, "max_tokens")
+    def prepare_chat(self, req: ChatRequest) -> _Prepared:
+        max_tokens = self.check_common(req, req.max_completion_tokens or req.max_tokens, "max_tokens")
         if not req.messages:
             raise ApiError(400, "messages: must not be empty", "messages")
-        if tokenizer is None:
-            raise ApiError(400, f"messages: the model's vocabulary ({vocab}) is too small for byte-level text",
+        if self.tokenizer is None:
+            raise ApiError(400, f"messages: the model's vocabulary ({self.vocab}) is too small for byte-level text",
                            "messages")
         turns = [(m.role, m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
                  for m in req.messages]
-        ids = [_encode(tokenizer, chat_prompt(turns), "messages")]
-        check_ids(ids)
-        return _Prepared(ids, max_tokens, [None], sampling_params(req), stop_strings(req, tokenizer is not None, vocab))
+        ids = [_encode(self.tokenizer, chat_prompt(turns), "messages")]
+        self.check_ids(ids)
+        stops = stop_strings(req, self.tokenizer is not None, self.vocab)
+        return _Prepared(ids, max_tokens, [None], sampling_params(req), stops)
 
-    async def generate(request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
+    async def generate(self, request: Request, req: _Sampling, prep: _Prepared, cid: str, chunk) -> object:
         """The finished generations, or with ``req.stream`` the SSE response of ``chunk`` events."""
         client_ids = [cid] if len(prep.ids) == 1 else [f"{cid}.{i}" for i in range(len(prep.ids))]
-        texts = [TextOutput(tokenizer, prep.stops) for _ in prep.ids] if tokenizer is not None else None
-        gens = await service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream,
+        texts = [TextOutput(self.tokenizer, prep.stops) for _ in prep.ids] if self.tokenizer is not None else None
+        gens = await self.service.submit(prep.ids, prep.max_tokens, client_ids, stream=req.stream,
                                     sampling=prep.sampling, texts=texts)
-        waiter = _Waiter(request, gens, limits.request_timeout_s)
+        waiter = _Waiter(request, gens, self.limits.request_timeout_s)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(stream_chunks(gens, waiter, chunk, prep, include_usage), lambda: _end(gens, waiter))
+            events = self.stream_chunks(gens, waiter, chunk, prep, include_usage)
+            return _EventStream(events, lambda: self._end(gens, waiter))
         try:
             while not all(g.is_done for g in gens):
                 await waiter.next()
         except ApiError as e:
-            _end(gens, waiter, e)
+            self._end(gens, waiter, e)
             raise
         except BaseException:  # cancelled (shutdown): the engine must not keep generating
-            _end(gens, waiter)
+            self._end(gens, waiter)
             raise
         waiter.close()
         for g in gens:
@@ -302,25 +308,26 @@ def completions_router(service: EngineService) -> APIRouter:
                 raise g.error
         return gens
 
-    def _end(gens, waiter: _Waiter, error: ApiError | None = None) -> None:
+    def _end(self, gens, waiter: _Waiter, error: ApiError | None = None) -> None:
         waiter.close()
-        service.abort(gens, error or ApiError(499, "the client closed the connection; the request was aborted"))
+        self.service.abort(gens, error or ApiError(499, "the client closed the connection; the request was aborted"))
 
-    def usage(prep: _Prepared, gens: Sequence[Generation]) -> dict:
+    def usage(self, prep: _Prepared, gens: Sequence[Generation]) -> dict:
         prompt_tokens, completion_tokens = sum(map(len, prep.ids)), sum(len(g.tokens) for g in gens)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    @staticmethod
     def sse(obj) -> bytes:
         return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n".encode()
 
-    async def stream_chunks(gens, waiter: _Waiter, chunk, prep: _Prepared, include_usage: bool):
+    async def stream_chunks(self, gens, waiter: _Waiter, chunk, prep: _Prepared, include_usage: bool):
         """SSE bytes of ``gens``: ``chunk(index, text, finish_reason)`` builds each event. Text
         goes out as far as its ``TextOutput`` lets it (a possible stop string is held back)."""
         seen, ended = [0] * len(gens), [False] * len(gens)
         for i, text in enumerate(prep.texts):
             if text:
-                yield sse(chunk(i, text, None))
+                yield self.sse(chunk(i, text, None))
         try:
             while True:
                 for i, g in enumerate(gens):
@@ -334,58 +341,54 @@ def completions_router(service: EngineService) -> APIRouter:
                         new, seen[i] = g.tokens[seen[i]:], len(g.tokens)
                         piece = " ".join(map(str, new)) + " " if new else ""
                     if piece:
-                        yield sse(chunk(i, piece, None))
+                        yield self.sse(chunk(i, piece, None))
                     if g.error is not None:
-                        yield sse(error_body(g.error.status, g.error.message, g.error.param))
+                        yield self.sse(error_body(g.error.status, g.error.message, g.error.param))
                         yield b"data: [DONE]\n\n"
                         return
                     if finish is not None:
                         ended[i] = True
-                        yield sse(chunk(i, "", finish))
+                        yield self.sse(chunk(i, "", finish))
                 if all(ended):
                     break
                 await waiter.next()
         except ApiError as e:
-            yield sse(error_body(e.status, e.message, e.param))
+            yield self.sse(error_body(e.status, e.message, e.param))
             yield b"data: [DONE]\n\n"
             return
         if include_usage:
-            yield sse({**chunk(0, "", None), "choices": [], "usage": usage(prep, gens)})
+            yield self.sse({**chunk(0, "", None), "choices": [], "usage": self.usage(prep, gens)})
         yield b"data: [DONE]\n\n"
 
-    @r.get("/health")
-    async def health():
-        if service.error is not None:
-            return AsciiJSONResponse({"status": "stopped", "error": service.error}, 503)
-        if service.draining:
+    async def health(self):
+        if self.service.error is not None:
+            return AsciiJSONResponse({"status": "stopped", "error": self.service.error}, 503)
+        if self.service.draining:
             return AsciiJSONResponse({"status": "draining"}, 503)
         return {"status": "ok"}
 
-    @r.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kv-canary",
-                                            "max_model_len": service.config.engine.max_ctx}]}
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "kv-canary",
+                                            "max_model_len": self.service.config.engine.max_ctx}]}
 
-    @r.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        prep = prepare_completion(req)
+    async def completions(self, req: CompletionRequest, request: Request):
+        prep = self.prepare_completion(req)
         cid, created = request_id(request), int(time.time())
 
         def chunk(i, text, finish):
-            return {"id": cid, "object": "text_completion", "created": created, "model": name,
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.name,
                     "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}]}
 
-        out = await generate(request, req, prep, cid, chunk)
+        out = await self.generate(request, req, prep, cid, chunk)
         if req.stream:
             return out
-        choices = [{"text": (prep.texts[i] or "") + text_of(g), "index": i, "logprobs": None,
+        choices = [{"text": (prep.texts[i] or "") + self.text_of(g), "index": i, "logprobs": None,
                     "finish_reason": g.finish_reason, "token_ids": g.tokens} for i, g in enumerate(out)]
-        return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
-                "usage": usage(prep, out)}
+        return {"id": cid, "object": "text_completion", "created": created, "model": self.name, "choices": choices,
+                "usage": self.usage(prep, out)}
 
-    @r.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        prep = prepare_chat(req)
+    async def chat(self, req: ChatRequest, request: Request):
+        prep = self.prepare_chat(req)
         cid, created = request_id(request), int(time.time())
         first = [True]
 
@@ -393,18 +396,25 @@ def completions_router(service: EngineService) -> APIRouter:
             delta = {"content": text} if text or finish is None else {}
             if first[0]:
                 delta, first[0] = {"role": "assistant", **delta}, False
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.name,
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        out = await generate(request, req, prep, cid, chunk)
+        out = await self.generate(request, req, prep, cid, chunk)
         if req.stream:
             return out
         g = out[0]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text_of(g)},
+        return {"id": cid, "object": "chat.completion", "created": created, "model": self.name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": self.text_of(g)},
                              "logprobs": None, "finish_reason": g.finish_reason}],
-                "usage": usage(prep, out)}
+                "usage": self.usage(prep, out)}
 
+
+def completions_router(service: EngineService) -> APIRouter:
+    routes, r = _Completions(service), APIRouter()
+    r.get("/health")(routes.health)
+    r.get("/v1/models")(routes.models)
+    r.post("/v1/completions")(routes.completions)
+    r.post("/v1/chat/completions")(routes.chat)
     return r
 
 
