@@ -18,14 +18,12 @@ The gauges are read at scrape time, which runs on the engine thread (between ste
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvcanary.server.service import EngineService, Generation
+from kvcanary.engine.engine import Engine
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -33,8 +31,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineMetrics(Collector):
-    def __init__(self, service: EngineService):
-        self.service = service
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self.prompt_tokens = Counter("kvcanary_prompt_tokens", "Prompt tokens queued.", registry=None)
         self.generation_tokens = Counter("kvcanary_generation_tokens", "Tokens generated and delivered.",
                                          registry=None)
@@ -47,9 +45,10 @@ class EngineMetrics(Collector):
         self.e2e = Histogram("kvcanary_e2e_request_latency_seconds", "End-to-end request latency, from queueing.",
                              buckets=E2E_BUCKETS, registry=None)
 
-    def finished(self, gen: Generation, status: str, reason: str = "length") -> None:
-        """Account a generation that left the engine: ``status`` ``finished`` (``reason``: its
-        finish reason, ``length`` or ``stop``), ``aborted`` or ``failed``."""
+    def finished(self, gen, status: str, reason: str = "length") -> None:
+        """Account a generation (a ``server.service.Generation``) that left the engine: ``status``
+        ``finished`` (``reason``: its finish reason, ``length`` or ``stop``), ``aborted`` or
+        ``failed``."""
         label = {"finished": reason, "aborted": "abort", "failed": "error"}[status]
         self.request_success.labels(label).inc()
         if status == "finished":
@@ -61,7 +60,7 @@ class EngineMetrics(Collector):
         return self._families(0, 0)
 
     def collect(self) -> Iterator[Metric]:
-        sched = self.service.engine.scheduler
+        sched = self.engine.scheduler
         return self._families(len(sched.running), len(sched.waiting))
 
     def _families(self, running: int, waiting: int) -> Iterator[Metric]:

@@ -113,7 +113,7 @@ class EngineService(AdminTarget):
         engine.delivery.keep_log = False  # a server runs for months: nothing may grow with the tokens served
         super().__init__(hooks.canary, threading.RLock())
         self.limits = config.limits
-        self.metrics = EngineMetrics(self)
+        self.metrics = EngineMetrics(engine)
         registry = CollectorRegistry()
         registry.register(CanaryCollector(self.canaries()))  # read on the event loop, see ``read``
         registry.register(self.metrics)
