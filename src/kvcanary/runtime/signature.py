@@ -12,7 +12,9 @@ the sender's signature with the receiver's and refuses a mismatch before anythin
     import_rows: signature mismatch: layers sender (0, 0, 31, 31) receiver (0, 0, 15, 15)
 
 ``None`` is a value of its own ("not given"): a sender that names its model and a receiver that
-does not differ.
+does not differ. A sender that does not decide some fields (a vLLM scheduler sends blocks, not
+records: which layers and halves the workers fingerprint is theirs to choose) leaves them None,
+and the receiver compares the others (``check(..., names=...)``).
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ class LayoutSignature:
     ``(K, V, K, V)``)."""
 
     record_version: int
-    layers: tuple[int, ...]
-    halves: tuple[Half, ...]
+    layers: tuple[int, ...] | None
+    halves: tuple[Half, ...] | None
     page_size: int | None
     dtype: str | None
     num_kv_heads: int | None
     head_dim: int | None
-    fingerprint: FingerprintMode
+    fingerprint: FingerprintMode | None
     model: str | None = None
 
     @classmethod
@@ -60,20 +62,25 @@ class LayoutSignature:
                    dtype_name(geometry.kv_dtype), geometry.num_kv_heads, geometry.head_dim,
                    FingerprintMode(fingerprint), geometry.model)
 
-    def differences(self, sender: LayoutSignature) -> list[str]:
-        """One ``"<field> sender <value> receiver <value>"`` per field where ``sender`` differs."""
-        return [f"{f.name} sender {_show(getattr(sender, f.name))} receiver {_show(getattr(self, f.name))}"
-                for f in fields(self) if getattr(sender, f.name) != getattr(self, f.name)]
+    def differences(self, sender: LayoutSignature, names: Sequence[str] | None = None) -> list[str]:
+        """One ``"<field> sender <value> receiver <value>"`` per field (of ``names``; None: every
+        field) where ``sender`` differs."""
+        names = [f.name for f in fields(self)] if names is None else names
+        return [f"{n} sender {_show(getattr(sender, n))} receiver {_show(getattr(self, n))}"
+                for n in names if getattr(sender, n) != getattr(self, n)]
 
-    def check(self, op: str, sender: object) -> None:
+    def check(self, op: str, sender: object, names: Sequence[str] | None = None) -> None:
         """Raise KVCanaryError unless ``sender`` (the signature the rows came with) equals this
-        receiver's; the error names every differing field with both sides' values."""
+        receiver's (in the fields ``names``; None: every field); the error names every differing
+        field with both sides' values."""
         if sender is self:
             return
         if not isinstance(sender, LayoutSignature):
             raise KVCanaryError(f"{op} signature must be the sender's LayoutSignature (its canary.signature, shipped "
                                 f"with the rows), got {type(sender).__name__}")
-        diffs = self.differences(sender)
+        if names is None and sender == self:
+            return
+        diffs = self.differences(sender, names)
         if diffs:
             raise KVCanaryError(f"{op}: signature mismatch: {'; '.join(diffs)} (the rows were written for another "
                                 f"layout; build both sides with the same layers, halves, real_kv and PoolGeometry)")
