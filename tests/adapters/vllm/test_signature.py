@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcanary.adapters.vllm.layouts import Layout
-from kvcanary.adapters.vllm.messages import BLOCK_FIELDS
+from kvcanary.adapters.vllm.messages import BLOCK_FIELDS, layout_words
 from kvcanary.adapters.vllm.scheduler_side import SchedulerSide
 from kvcanary.adapters.vllm.settings import AdapterSettings
 from kvcanary.adapters.vllm.worker_side import GroupSpec, WorkerSide
@@ -35,7 +35,7 @@ CASES = {
 
 
 def _scheduler(spec: GroupSpec = SPEC) -> SchedulerSide:
-    return SchedulerSide(AdapterSettings(), [spec.block_size], 4, (spec.layout(),))
+    return SchedulerSide(AdapterSettings(), [spec.block_size], 4, (layout_words(spec.layout()),))
 
 
 def _message(side: SchedulerSide):
@@ -78,7 +78,7 @@ def test_a_worker_refuses_a_message_of_another_block_layout_before_taking_it(fie
     changes, message = CASES[field]
     scheduler = _scheduler()
     if field == "record_version":  # a scheduler process of another kv-canary record layout
-        scheduler.layout = (dataclasses.replace(SPEC.layout(), record_version=RECORD_VERSION + 1),)
+        scheduler.layout = (layout_words(dataclasses.replace(SPEC.layout(), record_version=RECORD_VERSION + 1)),)
     worker = _worker(dataclasses.replace(SPEC, **changes))
     msg = _message(scheduler)
     assert msg.requests["r0"][0] > 0 and msg.blocks["r0"] == (True, [[3, 7, 5]])
@@ -97,12 +97,13 @@ def test_a_worker_of_the_same_layout_takes_every_message_and_a_missing_group_is_
     worker.bind(msg)
     assert worker.message is msg
     # a message pickled between processes holds an equal copy of the layout: taken as well
-    copy = dataclasses.replace(msg, layout=(dataclasses.replace(msg.layout[0]),))
+    copy = dataclasses.replace(msg, layout=(tuple(list(msg.layout[0])),))
     assert copy.layout[0] is not msg.layout[0]
     worker.bind(copy)
     assert worker.message is copy
     worker.clear()
-    with pytest.raises(KVCanaryError, match=r"StepMessage.layout must name every KV cache group of this worker "
-                                            r"\(1\), got 0 groups"):
-        worker.bind(dataclasses.replace(msg, layout=()))
-    assert worker.message is None
+    for bad, got in (((), "0 groups"), ((msg.layout[0][:5],), re.escape(repr((msg.layout[0][:5],))))):
+        with pytest.raises(KVCanaryError, match=rf"StepMessage.layout must hold the {re.escape(str(BLOCK_FIELDS))} "
+                                                rf"of every KV cache group of this worker \(1\), got {got}; "):
+            worker.bind(dataclasses.replace(msg, layout=bad))
+        assert worker.message is None

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcanary.adapters.vllm import install as hook
 from kvcanary.adapters.vllm.checks import check_config, group_specs, layout_of, model_identity
-from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage
+from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, layout_words
 from kvcanary.adapters.vllm.metrics import CanaryPromMetrics
 from kvcanary.adapters.vllm.scheduler_side import SchedulerSide
 from kvcanary.adapters.vllm.settings import AdapterSettings
@@ -52,7 +52,7 @@ class KVCanaryConnector(KVConnectorBase_V1):
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             block_sizes = [s.block_size for s in specs] or [vllm_config.cache_config.block_size]
-            layout = tuple(s.layout() for s in specs)  # sent with every step: the workers compare it with theirs
+            layout = tuple(layout_words(s.layout()) for s in specs)  # sent with every step: the workers compare it
             self.scheduler_side = SchedulerSide(self.settings, block_sizes, max_num_seqs, layout)
         else:
             if not specs:

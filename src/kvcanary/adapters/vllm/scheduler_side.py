@@ -19,7 +19,6 @@ from collections import OrderedDict
 
 from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
 from kvcanary.adapters.vllm.settings import AdapterSettings
-from kvcanary.runtime.signature import LayoutSignature
 
 log = logging.getLogger("kvcanary")
 
@@ -29,10 +28,10 @@ ENTRY_BYTES = 64  # a sweep's cost per slot, for sizing what one sweep is sent
 
 class SchedulerSide:
     def __init__(self, settings: AdapterSettings, block_sizes: list[int], max_num_seqs: int,
-                 layout: tuple[LayoutSignature, ...] = ()):
+                 layout: tuple[tuple, ...] = ()):
         self.settings = settings
         self.block_sizes = block_sizes
-        self.layout = layout  # per KV cache group, what the blocks it sends mean (``messages.block_layout``)
+        self.layout = layout  # per KV cache group, what the blocks it sends mean (``messages.layout_words``)
         self.step = 0
         self.requests: dict[str, object] = {}  # request id -> vLLM Request (its token ids grow in place)
         self.rows: dict[str, int] = {}

@@ -38,7 +38,15 @@ from kvcanary.adapters.vllm.layouts import (
     num_blocks_of,
     sources_for,
 )
-from kvcanary.adapters.vllm.messages import BLOCK_FIELDS, CanaryStats, StepMessage, WorkerReport, block_layout
+from kvcanary.adapters.vllm.messages import (
+    BLOCK_FIELDS,
+    CanaryStats,
+    StepMessage,
+    WorkerReport,
+    block_layout,
+    layout_of_words,
+    layout_words,
+)
 from kvcanary.adapters.vllm.settings import AdapterSettings
 from kvcanary.errors import KVCanaryError
 from kvcanary.runtime.signature import LayoutSignature
@@ -175,7 +183,8 @@ class WorkerSide:
         self.settings = settings
         self.specs = groups
         self.layout = layout
-        self.block_layouts = tuple(spec.layout() for spec in groups)  # what a StepMessage's blocks must mean
+        # what a StepMessage's blocks must mean (``messages.layout_words`` per group)
+        self.block_layouts = tuple(layout_words(spec.layout()) for spec in groups)
         self._layouts_seen: tuple = self.block_layouts  # the last message layout found equal (identity is enough)
         self.max_model_len = max_model_len
         self.rows = max_num_seqs + 1  # row 0 is the padding row
@@ -229,12 +238,14 @@ class WorkerSide:
         if sent is self._layouts_seen or sent == self.block_layouts:
             self._layouts_seen = sent
             return
-        if not isinstance(sent, tuple) or len(sent) != len(self.block_layouts):
-            got = f"{len(sent)} groups" if isinstance(sent, tuple) else type(sent).__name__
-            raise KVCanaryError(f"StepMessage.layout must name every KV cache group of this worker "
-                                f"({len(self.block_layouts)}), got {got}; run the same kv-canary in every process")
-        for spec, own, theirs in zip(self.specs, self.block_layouts, sent, strict=True):
-            own.check(f"StepMessage of KV cache group {spec.index}", theirs, BLOCK_FIELDS)
+        n = len(self.block_layouts)
+        if not isinstance(sent, tuple) or len(sent) != n or \
+                any(not isinstance(w, tuple) or len(w) != len(BLOCK_FIELDS) for w in sent):
+            got = f"{len(sent)} groups" if isinstance(sent, tuple) and len(sent) != n else repr(sent)[:200]
+            raise KVCanaryError(f"StepMessage.layout must hold the {BLOCK_FIELDS} of every KV cache group of this "
+                                f"worker ({n}), got {got}; run the same kv-canary in every process")
+        for spec, theirs in zip(self.specs, sent, strict=True):
+            spec.layout().check(f"StepMessage of KV cache group {spec.index}", layout_of_words(theirs), BLOCK_FIELDS)
         self._layouts_seen = sent
 
     def clear(self) -> None:
