@@ -38,7 +38,7 @@ class TransferPayload:
     """One request's prompt K/V in flight: ``k``/``v`` [num_layers, n, num_kv_heads, head_dim]
     and ``records`` uint8[n, 40] (``Canary.export_rows``: each record and its side word) in host
     memory, for positions ``0..n-1`` of ``token_ids``; ``signature``: the prefill canary's
-    (what the records mean), None with ``records``."""
+    (what the records mean), None without ``records``."""
 
     request_id: int
     token_ids: list[int]

@@ -12,9 +12,11 @@ carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: t
 source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
 (``attach_host_tier`` first; load-back is verified at once); an engine that moves K/V rows with
 a batched copy of its own moves the mirror's rows in it (``row_pairs``) and reports the rows it
-landed (``rows_landed``). Violations are grouped into
-incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
-slot's incidents close when it is reused.
+landed (``rows_landed``). Rows moved between canaries carry the sender's ``signature`` (a
+``LayoutSignature``: ``runtime.signature``): ``import_rows`` / ``land_rows`` take it and refuse
+rows of another layout, and a host mirror is adopted only by a canary of its layout. Violations
+are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
+``slots_freed`` so that a slot's incidents close when it is reused.
 
 The parts, each in its own file: the forward on one route chosen here once (``runtime.forward``:
 ``route_cpu``, ``route_triton``, ``route_ops``), holds (``holds``), sweeps (``sweeping``), the
