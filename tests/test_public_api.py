@@ -9,8 +9,9 @@ import sys
 import kvcanary
 import kvcanary.ops
 
-ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "FingerprintMode", "ForwardBatch", "Half", "Incident",
-              "KVSource", "LaunchPoint", "Overlap", "Policy", "PoolGeometry", "PoolKind", "Reason", "Recovery",
+ROOT_NAMES = ["Canary", "CanaryConfig", "CanaryViolation", "FingerprintMode", "ForwardBatch", "Half", "HostMirror",
+              "Incident", "KVSource", "LaunchPoint", "LayoutSignature", "Overlap", "Policy",
+              "PoolGeometry", "PoolKind", "Reason", "Recovery",
               "StepReport", "SweepRun", "Violation", "__version__"]
 OPS_NAMES = ["HAS_TRITON", "Backend", "BoundCheck", "BoundMarks", "BoundVerify", "DeviceFlag", "DeviceState",
              "FingerprintMode", "KVSource", "Plan", "SourceSet", "Workspace",

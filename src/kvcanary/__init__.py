@@ -21,9 +21,11 @@ _EXPORTS = {
     "FingerprintMode": "kvcanary.core.record",
     "ForwardBatch": "kvcanary.runtime.batch",
     "Half": "kvcanary.core.record",
+    "HostMirror": "kvcanary.runtime.rows",
     "Incident": "kvcanary.runtime.incidents",
     "KVSource": "kvcanary.ops.sources",
     "LaunchPoint": "kvcanary.core.record",
+    "LayoutSignature": "kvcanary.runtime.signature",
     "Overlap": "kvcanary.config",
     "Policy": "kvcanary.config",
     "PoolGeometry": "kvcanary.runtime.canary",
@@ -42,9 +44,11 @@ __all__ = [
     "FingerprintMode",
     "ForwardBatch",
     "Half",
+    "HostMirror",
     "Incident",
     "KVSource",
     "LaunchPoint",
+    "LayoutSignature",
     "Overlap",
     "Policy",
     "PoolGeometry",
@@ -67,6 +71,8 @@ if TYPE_CHECKING:
     from kvcanary.runtime.incidents import Incident
     from kvcanary.runtime.policy import Recovery
     from kvcanary.runtime.reporting import Violation
+    from kvcanary.runtime.rows import HostMirror
+    from kvcanary.runtime.signature import LayoutSignature
     from kvcanary.runtime.step_end import StepReport
     from kvcanary.runtime.sweep import SweepRun
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from kvcanary.config import CanaryConfig
+from kvcanary.core.record import RECORD_VERSION, FingerprintMode, Half
 from kvcanary.engine.canary_hooks import attach_canary
 from kvcanary.engine.config import EngineConfig, ModelConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.pd import KVTransfer
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.workload import WorkloadConfig, builtin_workload, engine_config_for
+from kvcanary.errors import KVCanaryError
 from kvcanary.runs.driver import run_workload
 
 MODEL = ModelConfig(seed=4)
@@ -97,3 +100,65 @@ def test_split_run_is_clean_and_generates_what_one_engine_does():
     assert compared >= 12
     prefill.check_integrity()
     decode.check_integrity()
+
+
+# field -> (decode side's canary config, engine config, model changes; the error's "<field> sender .. receiver ..")
+SIGNATURE_CASES = {
+    "record_version": ({}, {}, {}, f"record_version sender {RECORD_VERSION + 1} receiver {RECORD_VERSION}"),
+    "layers": ({"layers": (1, 0)}, {}, {}, "layers sender (0, 0, 1, 1) receiver (1, 1, 0, 0)"),  # the order counts
+    "halves": ({"halves": (Half.V, Half.K)}, {}, {}, "halves sender (K, V, K, V) receiver (V, K, V, K)"),
+    "page_size": ({}, {"page_size": 2}, {}, "page_size sender 1 receiver 2"),
+    "dtype": ({}, {}, {"dtype": torch.float32}, "dtype sender 'float64' receiver 'float32'"),
+    "num_kv_heads": ({}, {}, {"num_kv_heads": 1}, "num_kv_heads sender 2 receiver 1"),
+    "head_dim": ({}, {}, {"head_dim": 8}, "head_dim sender 16 receiver 8"),
+    "fingerprint": ({"real_kv": FingerprintMode.ALL}, {}, {}, "fingerprint sender PARTIAL receiver ALL"),
+    "model": ({}, {}, {"seed": 5}, "model sender 'reference-llama layers=2 hidden=64 heads=4 vocab=256 seed=4' "
+                                   "receiver 'reference-llama layers=2 hidden=64 heads=4 vocab=256 seed=5'"),
+}
+
+
+def _decode_state(decode: Engine, canary) -> list[torch.Tensor]:
+    return [canary.state.records.clone(), canary.state.source_tags.clone(),
+            *[b.clone() for b in decode.pool.k_buffers + decode.pool.v_buffers]]
+
+
+@pytest.mark.parametrize("field", list(SIGNATURE_CASES))
+def test_receive_refuses_records_of_another_layout_before_anything_is_written(field):
+    """A decode side configured differently in one layout field: the payload is refused naming both
+    values, and the decode engine is untouched: no slot allocated, no K/V, record or tree entry."""
+    canary_changes, engine_changes, model_changes, message = SIGNATURE_CASES[field]
+    prefill, p_hooks = attach_canary(lambda h: Engine(MODEL, CONFIG, h), CanaryConfig())
+    decode_model = dataclasses.replace(MODEL, **model_changes)
+    decode, d_hooks = attach_canary(lambda h: Engine(decode_model, dataclasses.replace(CONFIG, **engine_changes), h),
+                                    CanaryConfig(**canary_changes))
+    transfer = KVTransfer(prefill, decode, p_hooks.canary, d_hooks.canary)
+    prompt = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(6)).tolist()
+    prefill.generate([prompt], 1)
+    payload = transfer.send(0, prompt)
+    if field == "record_version":  # a prefill side of another record layout: its payload says so
+        payload = dataclasses.replace(payload, signature=dataclasses.replace(payload.signature,
+                                                                             record_version=RECORD_VERSION + 1))
+    before, free = _decode_state(decode, d_hooks.canary), decode.pool.num_free_slots
+    with pytest.raises(KVCanaryError, match=rf"^KVTransfer.receive: signature mismatch: {re.escape(message)} \("):
+        transfer.receive(payload)
+    assert all(torch.equal(a, b) for a, b in zip(before, _decode_state(decode, d_hooks.canary), strict=True))
+    assert decode.pool.num_free_slots == free and decode.tree.match(prompt)[1] == 0
+    assert transfer.stats.requests == 0 and transfer.stats.dropped == 0
+    decode.check_integrity()
+
+
+def test_receive_of_the_same_layout_lands_and_verifies_clean():
+    """The twin: the payload carries the prefill canary's signature, equal to the decode canary's;
+    it lands, the landed slots verify clean on arrival and in the decode request's HEAD."""
+    transfer, p_hooks, d_hooks = _pair()
+    prompt = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(6)).tolist()
+    transfer.prefill.generate([prompt], 1)
+    payload = transfer.send(0, prompt)
+    assert payload.signature is p_hooks.canary.signature and payload.signature == d_hooks.canary.signature
+    dst = transfer.receive(payload)
+    assert dst is not None and torch.equal(d_hooks.canary.export_rows(dst), payload.records)
+    transfer.decode.add_request([*prompt, 9], 2)
+    transfer.decode.run_until_done()
+    assert d_hooks.reports == [] and d_hooks.canary.totals.violations == 0
+    assert d_hooks.canary.counters()["SWEEP"]["checked"] == len(prompt)
+    transfer.decode.check_integrity()

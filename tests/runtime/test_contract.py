@@ -119,12 +119,12 @@ def test_rows_travel_with_their_side_words_and_foreign_rows_are_refused():
     rows = canary.export_rows(torch.tensor([3, 7]))
     assert rows.shape == (2, 40) and torch.equal(rows[:, :32], canary.state.records[[3, 7]])
     assert rows[:, 32:].contiguous().view(torch.int64).flatten().tolist() == canary.state.source_tags[[3, 7]].tolist()
-    canary.land_rows(torch.tensor([9, 10]), rows)
+    canary.land_rows(torch.tensor([9, 10]), rows, canary.signature)
     assert torch.equal(canary.export_rows(torch.tensor([9, 10])), rows)
     before = canary.state.records.clone()
     with pytest.raises(KVCanaryError, match=r"rows must be uint8\[2, 40\] \(one export_rows row per slot\), got "
                        r"torch.uint8 \(2, 32\)"):
-        canary.import_rows(torch.tensor([11, 12]), rows[:, :32])
+        canary.import_rows(torch.tensor([11, 12]), rows[:, :32], canary.signature)
     assert torch.equal(canary.state.records, before)
 
 
@@ -142,8 +142,10 @@ def test_moved_rows_name_a_slot_outside_the_pool_before_anything_is_read_or_writ
     state = [canary.state.records.clone(), canary.state.source_tags.clone(), canary.host_rows.clone()]
     slots = lambda *v: torch.tensor(v, device=device)
     calls = [(lambda: canary.export_rows(slots(3, 41)), r"export_rows slots\[1\] = 41 out of range \[0, 41\)"),
-             (lambda: canary.land_rows(slots(-1, 7), rows), r"land_rows slots\[0\] = -1 out of range \[0, 41\)"),
-             (lambda: canary.import_rows(slots(5, 99), rows), r"import_rows slots\[1\] = 99 out of range"),
+             (lambda: canary.land_rows(slots(-1, 7), rows, canary.signature),
+              r"land_rows slots\[0\] = -1 out of range \[0, 41\)"),
+             (lambda: canary.import_rows(slots(5, 99), rows, canary.signature),
+              r"import_rows slots\[1\] = 99 out of range"),
              (lambda: canary.offload(slots(3, 41), torch.tensor([0, 1])),
               r"offload device_slots\[1\] = 41 out of range \[0, 41\)"),
              (lambda: canary.load_back(torch.tensor([0, 1]), slots(2**40, 7)),

@@ -326,7 +326,7 @@ class Attachment:
                     rows = self._held.pop(state.request_id)
                     n = min(rows.shape[0], state.position_offset)
                     slots = self.slots_of(state.request_id, n)
-                    self.canary.import_rows(torch.tensor(slots, dtype=torch.int64), rows[:n])
+                    self.canary.import_rows(torch.tensor(slots, dtype=torch.int64), rows[:n], self.canary.signature)
                     if n:
                         self._note_blocks(slots, list(state.initial_tokens) + list(state.generated_tokens), 0, n)
                     self.stats.restored_requests += 1

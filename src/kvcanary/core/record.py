@@ -27,6 +27,7 @@ import torch
 RECORD_BYTES = 32
 RECORD_WORDS = 4
 ROW_BYTES = RECORD_BYTES + 8  # a record that travels with its K/V: the 32 bytes, then its source-tag side word
+RECORD_VERSION = 1  # the layout of a record and its side word; moved rows carry it (runtime.signature)
 TOKEN, POSITION, CHAIN, FINGERPRINT = range(RECORD_WORDS)
 PAD_SLOT = 0
 

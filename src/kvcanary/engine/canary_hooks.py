@@ -57,6 +57,17 @@ def pool_sources(engine: Engine, config: CanaryConfig, pool: PoolKind = PoolKind
             for layer in layers if layer in own for h in config.halves]
 
 
+def pool_geometry(engine: Engine, num_slots: int) -> PoolGeometry:
+    """The geometry of a canary over one of ``engine``'s pools: its slots and page table, and the
+    layout its rows carry in their signature (page size, K/V dtype, heads, head dim, the model:
+    the reference model is named by what draws its weights)."""
+    cfg, mc = engine.config, engine.model_config
+    model = (f"reference-llama layers={mc.num_layers} hidden={mc.hidden} heads={mc.num_heads} "
+             f"vocab={mc.vocab_size} seed={mc.seed}")
+    return PoolGeometry(num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device), page_size=cfg.page_size,
+                        kv_dtype=mc.dtype, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, model=model)
+
+
 def _runs(mask: torch.Tensor) -> list[slice]:
     """Slices of the maximal runs of True in a bool[n] mask."""
     out, start = [], None
@@ -104,9 +115,9 @@ class CanaryHooks(EngineHooks):
 
     def attach(self, engine: Engine) -> Canary:
         cfg = engine.config
-        geometry = PoolGeometry(cfg.num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device))
         self.engine = engine
-        self.canary = Canary(self.config, geometry, sources=pool_sources(engine, self.config))
+        sources = pool_sources(engine, self.config)
+        self.canary = Canary(self.config, pool_geometry(engine, cfg.num_slots), sources=sources)
         engine.delivery.lag = self.canary.reporter.lag  # tokens wait until their step's report was read
         if engine.host_tier is not None:
             self.canary.attach_host_tier(cfg.host_tier_slots)
@@ -114,7 +125,7 @@ class CanaryHooks(EngineHooks):
             engine.pool.move_with_kv(self.canary.row_pairs())
         window = engine.pool.window
         if window is not None:
-            wgeo = PoolGeometry(window.num_slots, cfg.max_rows, cfg.max_ctx, str(engine.device))
+            wgeo = pool_geometry(engine, window.num_slots)
             self.window_canary = Canary(self.config, wgeo, sources=pool_sources(engine, self.config, PoolKind.SWA),
                                         pool=PoolKind.SWA, window=window.window)
             if engine.host_tier is not None:

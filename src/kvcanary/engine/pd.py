@@ -7,7 +7,10 @@ host memory, pinned on CUDA), and ``KVTransfer.receive`` copies both into slots 
 engine allocates (``index_copy_``; the records are content-only, so they stay valid in any
 slot), verifies the landed slots at once (SWEEP) and caches them in the decode engine's prefix
 cache, where the request (prompt + first token) finds them when admitted; its first forward's
-HEAD verifies every received slot again. The two pools never share a tensor.
+HEAD verifies every received slot again. The two pools never share a tensor. The records travel
+with the prefill canary's layout signature; ``receive`` refuses a payload whose signature differs
+from the decode canary's (KVCanaryError naming both sides' values) before it allocates or writes
+anything.
 
 ``TransferHooks`` are the transfer's instrumentation points (fault injectors use them):
 
@@ -27,14 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.engine.engine import Engine
-from kvcanary.runtime.canary import Canary
+from kvcanary.runtime.canary import Canary, LayoutSignature
 
 
 @dataclass
 class TransferPayload:
     """One request's prompt K/V in flight: ``k``/``v`` [num_layers, n, num_kv_heads, head_dim]
     and ``records`` uint8[n, 40] (``Canary.export_rows``: each record and its side word) in host
-    memory, for positions ``0..n-1`` of ``token_ids``."""
+    memory, for positions ``0..n-1`` of ``token_ids``; ``signature``: the prefill canary's
+    (what the records mean), None without ``records``."""
 
     request_id: int
     token_ids: list[int]
@@ -42,6 +46,7 @@ class TransferPayload:
     k: torch.Tensor
     v: torch.Tensor
     records: torch.Tensor | None
+    signature: LayoutSignature | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -106,15 +111,20 @@ class KVTransfer:
         if pin:
             k, v = k.pin_memory(), v.pin_memory()
             records = records.pin_memory() if records is not None else None
-        payload = TransferPayload(request_id, list(token_ids), slots.cpu(), k, v, records)
+        signature = self.prefill_canary.signature if self.prefill_canary is not None else None
+        payload = TransferPayload(request_id, list(token_ids), slots.cpu(), k, v, records, signature)
         for h in self.hooks:
             h.after_send(payload)
         return payload
 
     def receive(self, payload: TransferPayload) -> torch.Tensor | None:
         """Copy ``payload`` into fresh decode-engine slots (their records verified at once) and
-        cache them in its prefix cache. Returns the slots, or None when there was no room."""
+        cache them in its prefix cache. Returns the slots, or None when there was no room. Raises
+        KVCanaryError for records whose signature differs from the decode canary's, before
+        anything is allocated or written."""
         decode, n = self.decode, len(payload.token_ids)
+        if self.decode_canary is not None and payload.records is not None:
+            self.decode_canary.signature.check("KVTransfer.receive", payload.signature)
         dst = decode.cache.alloc_slots(n)
         if dst is None:
             self.stats.dropped += 1
@@ -128,7 +138,7 @@ class KVTransfer:
             k_buf.index_copy_(0, index, payload.k[layer].to(dev, non_blocking=True))
             v_buf.index_copy_(0, index, payload.v[layer].to(dev, non_blocking=True))
         if self.decode_canary is not None and payload.records is not None:
-            self.decode_canary.land_rows(index, payload.records)
+            self.decode_canary.land_rows(index, payload.records, payload.signature)
             self.decode_canary.verify_landed(dst.to(dev))  # in page-table order: a misplaced row is caught
         inserted = decode.tree.insert(payload.token_ids, dst)
         if decode.host_tier is not None:

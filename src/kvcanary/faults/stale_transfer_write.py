@@ -57,7 +57,7 @@ class StaleTransferWrite(TransferFault):
             for layer, (k_buf, v_buf) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
                 k_buf.index_copy_(0, index, payload.k[layer, hits].to(k_buf.device))
                 v_buf.index_copy_(0, index, payload.v[layer, hits].to(v_buf.device))
-            self.canary.land_rows(index, payload.records[hits])
+            self.canary.land_rows(index, payload.records[hits], payload.signature)
             slots = [int(dst[i]) for i in hits]
             self.record(step, slots[0], f"transfer of request={payload.request_id} landed late on {len(hits)} slot(s) "
                                         f"freed and reused since: {slots[:8]}", set(slots))

@@ -12,9 +12,11 @@ carry their records: ``export_rows`` / ``import_rows`` (rows of ``ROW_BYTES``: t
 source-tag side word), and ``offload`` / ``load_back`` keep a host mirror for a host tier
 (``attach_host_tier`` first; load-back is verified at once); an engine that moves K/V rows with
 a batched copy of its own moves the mirror's rows in it (``row_pairs``) and reports the rows it
-landed (``rows_landed``). Violations are grouped into
-incidents (``runtime.incidents``): the engine reports freed slots with ``slots_freed`` so that a
-slot's incidents close when it is reused.
+landed (``rows_landed``). Rows moved between canaries carry the sender's ``signature`` (a
+``LayoutSignature``: ``runtime.signature``): ``import_rows`` / ``land_rows`` take it and refuse
+rows of another layout, and a host mirror is adopted only by a canary of its layout. Violations
+are grouped into incidents (``runtime.incidents``): the engine reports freed slots with
+``slots_freed`` so that a slot's incidents close when it is reused.
 
 The parts, each in its own file: the forward on one route chosen here once (``runtime.forward``:
 ``route_cpu``, ``route_triton``, ``route_ops``), holds (``holds``), sweeps (``sweeping``), the
@@ -34,6 +36,7 @@ import torch
 
 from kvcanary.config import CanaryConfig
 from kvcanary.core.record import LaunchPoint, LaunchTag, PoolKind
+from kvcanary.errors import ConfigError
 from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable, use_triton
 from kvcanary.ops.sources import KVSource, SourceSet
 from kvcanary.ops.state import DeviceState
@@ -46,24 +49,48 @@ from kvcanary.runtime.reporting import Reporter
 from kvcanary.runtime.route_cpu import CpuRoute
 from kvcanary.runtime.route_ops import OpsRoute
 from kvcanary.runtime.route_triton import TritonRoute
-from kvcanary.runtime.rows import Rows
+from kvcanary.runtime.rows import HostMirror, Rows
+from kvcanary.runtime.signature import LayoutSignature
 from kvcanary.runtime.step_end import StepEnd, StepReport
 from kvcanary.runtime.sweep import SweepRun
 from kvcanary.runtime.sweeping import Sweeper
 from kvcanary.runtime.warmup import restored, warm_scatter
 from kvcanary.runtime.watchdog import Watchdog
 
-__all__ = ["Canary", "CanaryTotals", "PoolGeometry", "Recovery", "StepReport", "WatchdogTimeout", "fused_backend"]
+__all__ = ["Canary", "CanaryTotals", "HostMirror", "LayoutSignature", "PoolGeometry",
+           "Recovery", "StepReport", "WatchdogTimeout", "fused_backend"]
 
 log = logging.getLogger("kvcanary")
 
 
 @dataclass(frozen=True)
 class PoolGeometry:
+    """The pool a canary guards: ``num_slots`` slots, ``rows`` page-table rows of ``max_ctx``
+    positions, on ``device``. The layout fields describe the K/V the slots hold; they go into the
+    canary's ``signature``, which every move of rows between canaries compares (None: not given;
+    ``page_size`` None: the sources' page size): ``page_size`` (slots per page), ``kv_dtype``
+    (a torch.dtype or its name), ``num_kv_heads``, ``head_dim``, ``model`` (the model's identity,
+    e.g. its name and revision)."""
+
     num_slots: int
     rows: int
     max_ctx: int
     device: str = "cpu"
+    page_size: int | None = None
+    kv_dtype: torch.dtype | str | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    model: str | None = None
+
+    def __post_init__(self):
+        for name in ("page_size", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ConfigError(f"PoolGeometry.{name} must be an int >= 1 or None, got {v!r}")
+        if self.kv_dtype is not None and not isinstance(self.kv_dtype, (torch.dtype, str)):
+            raise ConfigError(f"PoolGeometry.kv_dtype must be a torch.dtype, its name or None, got {self.kv_dtype!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f"PoolGeometry.model must be a str or None, got {self.model!r}")
 
 
 def fused_backend(fused: bool | None, device: torch.device) -> Backend | None:
@@ -89,6 +116,8 @@ class Canary:
         # the K/V sources, their fingerprint mode and table, checked once (raises for bad sources)
         self.kv = SourceSet.build(sources, config.real_kv, geometry.num_slots, dev)
         self.sources, self.meta = self.kv.list(), self.kv.meta
+        # what this canary's rows mean; every move of rows between canaries compares it (runtime.signature)
+        self.signature = LayoutSignature.of(self.sources, config.real_kv, geometry)
         self.ctx = CanaryContext(config, self.state, {p: LaunchTag(p, pool).value for p in LaunchPoint}, window,
                                  self.kv)
         self.totals, self.incidents = self.ctx.totals, self.ctx.incidents
@@ -107,7 +136,7 @@ class Canary:
         self.cpu = self.route.compiled if isinstance(self.route, CpuRoute) else None
         self.sweeper = Sweeper(self.ctx, self.route, self.holds, self.cpu)
         self.sweep_plan = self.sweeper.plan
-        self.rows = Rows(self.ctx, self.route, self.sweeper)
+        self.rows = Rows(self.ctx, self.route, self.sweeper, self.signature)
         self.step_end = StepEnd(self.ctx, self.reporter, self.watchdog, self.route, self.holds, self.cpu)
         self.warmup_seconds = 0.0
         if warmup and dev.type == "cuda":
@@ -160,6 +189,11 @@ class Canary:
     def host_rows(self) -> torch.Tensor | None:
         """The host mirror of records (``attach_host_tier``)."""
         return self.rows.host_rows
+
+    @property
+    def host_mirror(self) -> HostMirror | None:
+        """The host mirror with the signature of the canary that made it (``attach_host_tier``)."""
+        return self.rows.mirror
 
     def warmup(self) -> float:
         """Compile every kernel variant this canary launches, so no step pays a compile, and on
@@ -291,28 +325,35 @@ class Canary:
 
     def export_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of ``slots`` (uint8[n, ROW_BYTES]: each slot's 32-byte record, then its 8-byte
-        source-tag side word) to travel with their K/V. Raises KVCanaryError for a slot outside
+        source-tag side word) to travel with their K/V, together with ``signature`` (what the rows
+        mean; the receiver's ``import_rows`` takes it). Raises KVCanaryError for a slot outside
         the pool."""
         self.rows.check_slots("export_rows", "slots", slots)
         return self.rows.export(slots)
 
-    def land_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    def land_rows(self, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
         """Write rows of ``export_rows`` into ``slots`` (records and side words), unverified.
-        Raises KVCanaryError for rows that are not uint8[len(slots), ROW_BYTES] and for a slot
-        outside the pool, before anything is written."""
+        ``signature``: the sending canary's ``signature``, shipped with the rows. Raises
+        KVCanaryError, before anything is written, for a signature that differs from this
+        canary's (naming each differing field with both values), rows that are not
+        uint8[len(slots), ROW_BYTES] and a slot outside the pool."""
         self.rows.check_slots("land_rows", "slots", slots)
-        self.rows.land(slots, rows)
+        self.rows.land("land_rows", slots, rows, signature)
 
-    def import_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write rows that travelled with K/V (``export_rows``) into ``slots`` (the stamps are
-        content-only, so they stay valid in any slot), then verify the landed slots at once (SWEEP)."""
+    def import_rows(self, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
+        """Write rows that travelled with K/V (``export_rows``, with the sender's ``signature``)
+        into ``slots`` (the stamps are content-only, so they stay valid in any slot), then verify
+        the landed slots at once (SWEEP). Raises as ``land_rows``, before anything is written."""
         self.rows.check_slots("import_rows", "slots", slots)
-        self.rows.import_(slots, rows)
+        self.rows.import_(slots, rows, signature)
 
-    def attach_host_tier(self, num_rows: int) -> None:
-        """Keep a host mirror of records for a host offload tier of ``num_rows`` rows (call once,
-        before the first ``offload``)."""
-        self.rows.attach_host_tier(num_rows)
+    def attach_host_tier(self, tier: int | HostMirror) -> None:
+        """Keep a host mirror of records for a host offload tier (call once, before the first
+        ``offload``): a new one of ``tier`` rows (an int), or another canary's ``host_mirror``
+        (a host tier shared by pools, or one that outlives its canary), adopted only where its
+        signature equals this canary's: KVCanaryError naming the differing fields otherwise,
+        before anything is attached."""
+        self.rows.attach_host_tier(tier)
 
     def row_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """The canary's rows for an engine that moves K/V between its pool and its host tier with a

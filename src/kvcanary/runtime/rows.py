@@ -5,12 +5,16 @@ wherever the engine copies the slot's K/V.
 (written unverified), and a host mirror for a host offload tier (``attach_host_tier``):
 ``offload`` / ``load_back`` (verified at once), or ``row_pairs`` for an engine that moves K/V
 rows with a batched copy of its own, which then reports the rows it landed (``rows_landed``).
-Every call checks its slots and rows before anything is read or written.
+Every call checks its slots and rows before anything is read or written. Rows that come from
+another canary come with its layout signature (``runtime.signature``): ``import_rows`` and
+``land_rows`` take the sender's, and a host mirror (``HostMirror``) carries the signature of the
+canary that made it, so another canary adopts it only with an equal one.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +23,7 @@ from kvcanary.core.record import POSITION, RECORD_BYTES, ROW_BYTES
 from kvcanary.errors import ConfigError, KVCanaryError
 from kvcanary.runtime.context import CanaryContext
 from kvcanary.runtime.forward import Forward
+from kvcanary.runtime.signature import LayoutSignature
 from kvcanary.runtime.sweeping import Sweeper
 
 _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
@@ -47,12 +52,24 @@ def _position_of(row: torch.Tensor) -> int:
     return int(row[8 * POSITION: 8 * POSITION + 8].numpy().view(np.int64)[0])
 
 
+@dataclass(frozen=True)
+class HostMirror:
+    """A host tier's canary rows: ``rows`` uint8[num_rows, ROW_BYTES] on the host (row ``r`` travels
+    with the K/V of host row ``r``) and the ``signature`` of the canary that made it (what the rows
+    mean). ``Canary.host_mirror``; another canary adopts it with ``attach_host_tier(mirror)``."""
+
+    rows: torch.Tensor
+    signature: LayoutSignature
+
+
 class Rows:
     """The travelling rows of one canary (see the module doc); the public methods are the
     Canary's, which documents them."""
 
-    def __init__(self, ctx: CanaryContext, forward: Forward, sweeper: Sweeper):
+    def __init__(self, ctx: CanaryContext, forward: Forward, sweeper: Sweeper, signature: LayoutSignature):
         self.ctx, self.state, self.forward, self.sweeper = ctx, ctx.state, forward, sweeper
+        self.signature = signature
+        self.mirror: HostMirror | None = None
         self.host_rows: torch.Tensor | None = None
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
 
@@ -77,7 +94,14 @@ class Rows:
         tags = self.state.source_tags[index].view(torch.uint8).view(-1, _SIDE_BYTES)
         return torch.cat([self.state.records[index], tags], dim=1)
 
-    def land(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    def land(self, op: str, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
+        """Rows of another canary (``signature``: the sender's) into ``slots``, unverified; refused
+        before anything is written where the signatures differ or the rows are malformed."""
+        self.signature.check(op, signature)
+        self.write(slots, rows)
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of this layout (checked by the caller) into ``slots``, unverified."""
         n = slots.numel()
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (n, ROW_BYTES):
             got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
@@ -89,8 +113,11 @@ class Rows:
         self.state.records[index] = rows[:, :RECORD_BYTES]
         self.state.source_tags[index] = rows[:, RECORD_BYTES:].contiguous().view(torch.int64).view(-1)
 
-    def import_(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.land(slots, rows)
+    def import_(self, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
+        self.land("import_rows", slots, rows, signature)
+        self.landed_rows(slots, rows)
+
+    def landed_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         # rows on the host: the first landed position read there (the same bytes), not from the device
         self.landed(slots, _position_of(rows[0]) if len(rows) and not rows.is_cuda else None)
 
@@ -99,14 +126,32 @@ class Rows:
         self.ctx.incidents.note(self.ctx.step.step, slots, "rewritten")
         self.sweeper.verify_landed(slots, first_position)
 
-    def attach_host_tier(self, num_rows: int) -> None:
-        if type(num_rows) is not int or num_rows < 1:
-            raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows), got {num_rows!r}")
+    def attach_host_tier(self, tier: int | HostMirror) -> None:
         records = self.state.records
-        self.host_rows = torch.zeros(num_rows, ROW_BYTES, dtype=torch.uint8, pin_memory=records.is_cuda)
+        if isinstance(tier, HostMirror):
+            self.check_mirror(tier)
+            mirror = tier
+        elif type(tier) is not int or tier < 1:
+            raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows) or a HostMirror, got "
+                              f"{tier!r}")
+        else:
+            mirror = HostMirror(torch.zeros(tier, ROW_BYTES, dtype=torch.uint8, pin_memory=records.is_cuda),
+                                self.signature)
+        self.mirror, self.host_rows = mirror, mirror.rows
         if not records.is_cuda:  # the CPU: offloads copy rows through numpy views, no torch call
             self._host_views = (records.numpy(), self.state.source_tags.numpy().view(np.uint8).reshape(-1, _SIDE_BYTES),
                                 self.host_rows.numpy())
+
+    def check_mirror(self, mirror: HostMirror) -> None:
+        """A mirror another canary made may join this one only with the same layout, as host rows."""
+        self.signature.check("attach_host_tier", mirror.signature)
+        rows = mirror.rows
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] < 1 \
+                or rows.shape[1] != ROW_BYTES or rows.device.type != "cpu" or not rows.is_contiguous():
+            got = f"{rows.dtype}{list(rows.shape)} on {rows.device}" if isinstance(rows, torch.Tensor) else \
+                type(rows).__name__
+            raise KVCanaryError(f"attach_host_tier mirror.rows must be a contiguous uint8[num_rows, {ROW_BYTES}] "
+                                f"tensor on the host, got {got}")
 
     def row_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         if self.host_rows is None:
@@ -141,7 +186,9 @@ class Rows:
         self.check_host_move("load_back", device_slots, host_rows)
         if self.ctx.config.enabled:
             t0 = time.perf_counter()
-            self.import_(device_slots, self.host_rows[host_rows.cpu()])
+            rows = self.host_rows[host_rows.cpu()]
+            self.write(device_slots, rows)  # the mirror's layout is this canary's (checked when attached)
+            self.landed_rows(device_slots, rows)
             self.ctx.totals.seconds += time.perf_counter() - t0
 
     def check_host_move(self, op: str, device_slots: torch.Tensor, host_rows: torch.Tensor) -> None:

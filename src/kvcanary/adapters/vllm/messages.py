@@ -7,7 +7,7 @@ processes (one process for all three in single-process mode); vLLM pickles these
 |------------------|---------------------|------------------------------------------------------------------|
 | ``StepMessage``  | scheduler -> worker | per scheduled request: its canary row, where its truth starts and |
 |                  | (connector metadata)| the token ids from there, the blocks it was given; blocks handed  |
-|                  |                     | out fresh; requests gone; sweep runs                              |
+|                  |                     | out fresh; requests gone; sweep runs; the layout of its blocks    |
 | ``WorkerReport`` | worker -> scheduler | blocks found damaged (to leave the prefix cache), requests that   |
 |                  | (worker metadata)   | read them                                                         |
 | ``CanaryStats``  | worker -> frontend  | counters for vLLM's Prometheus metrics (``kvcanary_*``)           |
@@ -21,6 +21,32 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvcanary.core.record import RECORD_VERSION
+from kvcanary.runtime.signature import LayoutSignature, dtype_name
+
+# what a StepMessage's block ids and token ids mean, per KV cache group; the workers' canaries choose
+# the layers, halves and fingerprint mode they cover themselves (no record travels in a message)
+BLOCK_FIELDS = ("record_version", "page_size", "dtype", "num_kv_heads", "head_dim", "model")
+
+
+def block_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype, model: str | None) -> LayoutSignature:
+    """The layout signature of one KV cache group's blocks as the scheduler sends them (the
+    ``BLOCK_FIELDS``; layers, halves and fingerprint mode None: not the scheduler's to decide)."""
+    return LayoutSignature(RECORD_VERSION, None, None, block_size, dtype_name(dtype), num_kv_heads, head_dim, None,
+                           model)
+
+
+def layout_words(signature: LayoutSignature) -> tuple:
+    """The ``BLOCK_FIELDS`` of ``signature`` as a plain tuple: what a StepMessage carries (a tuple
+    of ints and strings pickles and compares in well under a microsecond; a dataclass costs ~20 µs
+    a step between processes)."""
+    return tuple(getattr(signature, name) for name in BLOCK_FIELDS)
+
+
+def layout_of_words(words: tuple) -> LayoutSignature:
+    """The signature a StepMessage's layout words stand for (``layout_words`` reversed)."""
+    return LayoutSignature(**dict(zip(BLOCK_FIELDS, words, strict=True)), layers=None, halves=None, fingerprint=None)
 
 
 @dataclass
@@ -36,6 +62,9 @@ class StepMessage(KVConnectorMetadata):
     # workers hold them from an earlier sweep); runs the workers may forget
     sweep: list[tuple[str, list[int], list[int] | None]] = field(default_factory=list)
     sweep_dropped: list[str] = field(default_factory=list)
+    # per KV cache group, what its block ids mean (``layout_words`` of its ``block_layout``); a worker
+    # refuses a message whose layout differs from its own before it touches anything
+    layout: tuple[tuple, ...] = ()
 
 
 @dataclass

@@ -27,9 +27,11 @@ ENTRY_BYTES = 64  # a sweep's cost per slot, for sizing what one sweep is sent
 
 
 class SchedulerSide:
-    def __init__(self, settings: AdapterSettings, block_sizes: list[int], max_num_seqs: int):
+    def __init__(self, settings: AdapterSettings, block_sizes: list[int], max_num_seqs: int,
+                 layout: tuple[tuple, ...] = ()):
         self.settings = settings
         self.block_sizes = block_sizes
+        self.layout = layout  # per KV cache group, what the blocks it sends mean (``messages.layout_words``)
         self.step = 0
         self.requests: dict[str, object] = {}  # request id -> vLLM Request (its token ids grow in place)
         self.rows: dict[str, int] = {}
@@ -83,7 +85,7 @@ class SchedulerSide:
             self._release(rid)  # a resumed request starts its truth again, in a new row
             self.preemptions += 1
         msg = StepMessage(self.step, fresh_blocks=[[] for _ in self.block_sizes],
-                          gone=[*so.finished_req_ids, *(so.preempted_req_ids or ())])
+                          gone=[*so.finished_req_ids, *(so.preempted_req_ids or ())], layout=self.layout)
         scheduled = so.num_scheduled_tokens
         for nr in so.scheduled_new_reqs:
             self._release(nr.req_id)

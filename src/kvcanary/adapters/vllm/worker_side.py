@@ -38,8 +38,18 @@ from kvcanary.adapters.vllm.layouts import (
     num_blocks_of,
     sources_for,
 )
-from kvcanary.adapters.vllm.messages import CanaryStats, StepMessage, WorkerReport
+from kvcanary.adapters.vllm.messages import (
+    BLOCK_FIELDS,
+    CanaryStats,
+    StepMessage,
+    WorkerReport,
+    block_layout,
+    layout_of_words,
+    layout_words,
+)
 from kvcanary.adapters.vllm.settings import AdapterSettings
+from kvcanary.errors import KVCanaryError
+from kvcanary.runtime.signature import LayoutSignature
 
 log = logging.getLogger("kvcanary")
 
@@ -54,6 +64,13 @@ class GroupSpec:
     num_heads: int
     head_dim: int
     window: int = 0  # sliding window in tokens (0: full attention)
+    dtype: str | None = None  # the K/V dtype
+    model: str | None = None  # the model's identity (``checks.model_identity``)
+
+    def layout(self) -> LayoutSignature:
+        """What this group's block ids mean (``messages.block_layout``): the scheduler sends it with
+        every step, the worker compares it with its own."""
+        return block_layout(self.block_size, self.num_heads, self.head_dim, self.dtype, self.model)
 
 
 @dataclass
@@ -97,8 +114,10 @@ class GroupCanary:
         device = kv[0].device
         self.num_slots = num_blocks * bs
         window = max(spec.window - 1, 0)
-        self.canary = Canary(config, PoolGeometry(self.num_slots, rows, self.max_ctx, str(device)), sources=sources,
-                             pool=PoolKind.SWA if window else PoolKind.FULL, window=window)
+        geometry = PoolGeometry(self.num_slots, rows, self.max_ctx, str(device), page_size=bs, kv_dtype=spec.dtype,
+                                num_kv_heads=spec.num_heads, head_dim=spec.head_dim, model=spec.model)
+        self.canary = Canary(config, geometry, sources=sources, pool=PoolKind.SWA if window else PoolKind.FULL,
+                             window=window)
         # the page table the canary reads, and the adapter's host mirrors (numpy: a step's host work is
         # dozens of tiny array operations, each a few µs cheaper than torch's)
         self.req_to_token = torch.zeros(rows, self.max_ctx, dtype=torch.int32, device=device)
@@ -164,6 +183,9 @@ class WorkerSide:
         self.settings = settings
         self.specs = groups
         self.layout = layout
+        # what a StepMessage's blocks must mean (``messages.layout_words`` per group)
+        self.block_layouts = tuple(layout_words(spec.layout()) for spec in groups)
+        self._layouts_seen: tuple = self.block_layouts  # the last message layout found equal (identity is enough)
         self.max_model_len = max_model_len
         self.rows = max_num_seqs + 1  # row 0 is the padding row
         self.groups: list[GroupCanary] = []
@@ -203,7 +225,28 @@ class WorkerSide:
                         g.spec.block_size, g.layout.value, fp, self.settings.policy.value)
 
     def bind(self, message: StepMessage) -> None:
+        """Take the step's message; KVCanaryError before anything is taken where its block layout
+        differs from this worker's (``check_layout``)."""
+        self.check_layout(message)
         self.message = message
+
+    def check_layout(self, message: StepMessage) -> None:
+        """The message's blocks mean what this worker's canaries assume: per KV cache group, the
+        scheduler's ``block_layout`` equals this worker's in every ``BLOCK_FIELDS`` field (else
+        KVCanaryError naming the group, the fields and both sides' values)."""
+        sent = message.layout
+        if sent is self._layouts_seen or sent == self.block_layouts:
+            self._layouts_seen = sent
+            return
+        n = len(self.block_layouts)
+        if not isinstance(sent, tuple) or len(sent) != n or \
+                any(not isinstance(w, tuple) or len(w) != len(BLOCK_FIELDS) for w in sent):
+            got = f"{len(sent)} groups" if isinstance(sent, tuple) and len(sent) != n else repr(sent)[:200]
+            raise KVCanaryError(f"StepMessage.layout must hold the {BLOCK_FIELDS} of every KV cache group of this "
+                                f"worker ({n}), got {got}; run the same kv-canary in every process")
+        for spec, theirs in zip(self.specs, sent, strict=True):
+            spec.layout().check(f"StepMessage of KV cache group {spec.index}", layout_of_words(theirs), BLOCK_FIELDS)
+        self._layouts_seen = sent
 
     def clear(self) -> None:
         self.message = None
