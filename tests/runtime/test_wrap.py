@@ -8,6 +8,7 @@ The counters set here (each through its owner's test-facing setter):
 | write-conflict marks' epoch | ``WriteMarks.set_epoch`` | EPOCH_LIMIT - 2      | the marks' restart  |
 | HEAD / TAIL workspace epoch | ``Workspace.set_epoch``  | 2**61 - 2, 2**63 - 2 | 4 * epoch wraps, or |
 |                             |                          |                      | the word itself     |
+| launch stats (int64 words)  | ``state.stats``          | 2**63 - 2            | the words (step 0)  |
 
 The workload: step 0 prefills rows 1..3; every later step decodes them; step 2 also prefills row 4
 with 300 tokens (two write blocks: the look-back carries the chain across them), which steps 3 and 4
@@ -47,6 +48,7 @@ FAULTS = [pytest.param("write_conflict", 1, id="write-conflict-last-epoch"),
           pytest.param("write_conflict", 4, id="write-conflict-long-row"),
           pytest.param("chain", 3, id="chain-after-wrap")]
 STEPS = 5
+STATS_START = 2**63 - 2  # every stats word (launches, slots checked, slots stamped): wraps at the first step
 
 
 def wrapped(v: int) -> int:
@@ -76,6 +78,7 @@ class World:
         self.canary.marks.set_epoch(EPOCH_LIMIT - 2)
         for ws in self.canary.state.workspaces:
             ws.set_epoch(workspace_epoch)
+        self.canary.state.stats.fill_(STATS_START)
 
     def batch(self, step: int) -> dict[int, list[int]]:
         """The rows this step writes and their new slots."""
@@ -108,14 +111,16 @@ class World:
 
     def run(self, steps: int, fault: str | None = None) -> tuple[list, int | None]:
         """Steps 0..steps-1, the fault (if any) in the last; returns every violation read, and
-        the fault's slot."""
+        the fault's slot. No watchdog alarm fires (the launch counts wrap past 2**63)."""
         found, slot = [], None
         for step in range(steps):
             writes = self.batch(step)
             if fault is not None and step == steps - 1:
                 slot = self.inject(fault, writes)
             self.forward(step, writes)
-            found += self.canary.end_step(step).violations
+            report = self.canary.end_step(step)
+            assert report.alarms == []
+            found += report.violations
         return found + self.canary.flush(steps).violations, slot
 
     def inject(self, fault: str, writes: dict[int, list[int]]) -> int:
@@ -150,6 +155,8 @@ def test_the_clean_twin_runs_silent_across_every_wrap(device, fused, workspace_e
     assert int(w.canary.marks.epoch[0]) == (3 if w.uses_marks else EPOCH_LIMIT - 2)
     for ws in w.canary.state.workspaces:
         assert int(ws.sync[3]) == wrapped(workspace_epoch + (STEPS if w.uses_workspaces else 0))
+    launches = w.canary.state.stats[:, 0].tolist()  # HEAD's and TAIL's full-pool K tags launched 5 times
+    assert sorted(launches) == sorted([wrapped(STATS_START + STEPS)] * 2 + [STATS_START] * (len(launches) - 2))
 
 
 @pytest.mark.parametrize(("fault", "at"), FAULTS)
