@@ -351,6 +351,6 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
         tl.atomic_xchg(sync_ptr + 1, 0)
         tl.atomic_add(sync_ptr + 3, 1, sem="release")
         if STAMP:  # the marks' next epoch (a restart of the marks once every 2**32 - 1 launches)
-            advance_epoch(marks_ptr, mepoch_ptr, num_slots)
+            advance_epoch(marks_ptr, mepoch_ptr, mkey, num_slots)
         if PUBLISH:  # every other program has counted: the block as of this launch's end
             publish_row(counter_ptr, pub_seq_ptr, pub_rows_ptr, pub_num_rows, PUB_W, PUB_BLOCK, FENCE)

@@ -232,13 +232,14 @@ def epoch_key(epoch):
 
 
 @triton.jit
-def advance_epoch(marks_ptr, epoch_ptr, num_slots):
-    """Open the next launch's epoch, once every program of this one is done with the marks:
-    epoch + 1, or, where that reaches EPOCH_LIMIT (or the word left [0, EPOCH_LIMIT)), every mark
-    word UNMARKED and epoch 0. The restart is one program's pass over the marks, once every
+def advance_epoch(marks_ptr, epoch_ptr, key, num_slots):
+    """Open the next launch's epoch, once every program of this one is done with the marks
+    (``key``: this launch's, ``epoch_key``): epoch + 1, an atomic add nothing waits for; where
+    this launch's epoch was the last below EPOCH_LIMIT (its key the smallest int64), then every
+    mark word UNMARKED and epoch 0. The restart is one program's pass over the marks, once every
     EPOCH_LIMIT launches; every other launch pays one compare."""
-    nxt = tl.atomic_add(epoch_ptr, 1, sem="acq_rel") + 1
-    if (nxt < 0) | (nxt >= 4294967295):  # EPOCH_LIMIT
+    tl.atomic_add(epoch_ptr, 1, sem="release")
+    if key == -9223372036854775807 - 1:  # epoch_key(EPOCH_LIMIT - 1)
         lane = tl.arange(0, 1024).to(tl.int64)
         words = 2 * num_slots
         for c in range(0, words, 1024):
@@ -250,7 +251,7 @@ def advance_epoch(marks_ptr, epoch_ptr, num_slots):
 @triton.jit
 def _advance_kernel(marks_ptr, epoch_ptr, num_slots):
     """One program: ``advance_epoch`` after ``check_writes``' two kernels."""
-    advance_epoch(marks_ptr, epoch_ptr, num_slots)
+    advance_epoch(marks_ptr, epoch_ptr, epoch_key(tl.load(epoch_ptr)), num_slots)
 
 
 @triton.jit

@@ -10,8 +10,9 @@ from kvcanary.adapters.vllm.layouts import Geometry, Layout, logical_views
 
 def token_major_halves(dtype: torch.dtype, block_size: int, num_heads: int, head_dim: int) -> tuple[Half, ...]:
     """The halves whose token rows sit where ``layouts.logical_views`` expects them (Layout.CPU)."""
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm import _custom_ops as ops
 
     isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
     kv = torch.zeros(2, num_heads, block_size, 2 * head_dim, dtype=dtype)
