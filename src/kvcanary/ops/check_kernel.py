@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvcanary.ops._common import tl, triton
 from kvcanary.ops._jit import find_segment, seg_add
-from kvcanary.ops.conflicts import conflict_lanes, epoch_key, mark_slots
+from kvcanary.ops.conflicts import advance_epoch, conflict_lanes, epoch_key, mark_slots
 from kvcanary.ops.fingerprint import fold_sources
 from kvcanary.ops.landed import landed_lanes, mark_lanes
 from kvcanary.ops.plan import _translate
@@ -169,14 +169,18 @@ def _mark_held(held_ptr, marks_ptr, mkey, n_held, num_slots, BLOCK: tl.constexpr
 def _look_back(sum_ptr, flag_ptr, b, epoch4, max_spins):
     """Carry into write block b + 1: walk back from block b over published aggregates until a
     block that holds a segment start or has its inclusive sum (block 0 always has). Gives up
-    after ``max_spins`` polls without progress; returns (carry, done)."""
+    after ``max_spins`` polls without progress; returns (carry, done). A flag is this launch's
+    where ``f - epoch4`` (int64, wrapping) is 1, 2 or 3: a flag of an earlier launch is 4 or more
+    below, whatever the epoch's value, so the epoch word may run past 2**61 (where ``4 * epoch``
+    wraps) and 2**63."""
     carry = tl.zeros((), dtype=tl.uint64)
     go = b >= 0
     spins = tl.zeros((), dtype=tl.int64)
     while go & (spins < max_spins):
         f = tl.atomic_add(flag_ptr + b, 0, sem="acquire")
         spins += 1
-        if f > epoch4:  # the aggregate (slot 2b) or, once published, the inclusive sum (slot 2b + 1)
+        d = f - epoch4
+        if (d > 0) & (d < 4):  # the aggregate (slot 2b) or, once published, the inclusive sum (slot 2b + 1)
             word = 2 * b + (f == epoch4 + 3).to(tl.int64)
             carry += tl.load(sum_ptr + word, volatile=True).to(tl.uint64, bitcast=True)
             go = (f == epoch4 + 1) & (b > 0)
@@ -346,7 +350,7 @@ def _check_kernel(words_ptr, ring_ptr, counter_ptr, stats_ptr, err_ptr, sync_ptr
         tl.atomic_xchg(sync_ptr + 2, 0)
         tl.atomic_xchg(sync_ptr + 1, 0)
         tl.atomic_add(sync_ptr + 3, 1, sem="release")
-        if STAMP:
-            tl.atomic_add(mepoch_ptr, 1, sem="release")
+        if STAMP:  # the marks' next epoch (a restart of the marks once every 2**32 - 1 launches)
+            advance_epoch(marks_ptr, mepoch_ptr, mkey, num_slots)
         if PUBLISH:  # every other program has counted: the block as of this launch's end
             publish_row(counter_ptr, pub_seq_ptr, pub_rows_ptr, pub_num_rows, PUB_W, PUB_BLOCK, FENCE)

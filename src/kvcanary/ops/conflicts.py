@@ -31,8 +31,11 @@ value = row[r], expected value = the first writer's row (WRITE_CONFLICT) or the 
 
 Triton path: ``marks.words[0, s]`` = min over writers of ``key | t``, ``marks.words[1, s]`` = min
 over readers of ``key | row``, with ``key = (2**31 - 2 - epoch) << 32``, so the marks of earlier
-launches are larger and never need clearing; ``marks.epoch`` advances after each check. The torch
-path computes the same minima directly and leaves ``marks`` alone.
+launches are larger and need no clearing per launch; the launch itself advances ``marks.epoch``
+(``advance_epoch``). The key fits int64 for epochs in [0, EPOCH_LIMIT): where the next epoch would
+reach EPOCH_LIMIT (once every 2**32 - 1 launches, about 50 days at 1,000 a second), the same
+launch sets every mark word back to UNMARKED and the epoch to 0, so a replayed CUDA graph restarts
+too. The torch path computes the same minima directly and leaves ``marks`` alone.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from kvcanary.ops.state import DeviceState
 
 WRITE_CONFLICT, READ_CONFLICT = int(Reason.WRITE_CONFLICT), int(Reason.READ_CONFLICT)
 UNMARKED = 2**63 - 1
+EPOCH_LIMIT = 2**32 - 1  # the first epoch whose key (epoch_key) leaves int64: the marks restart before it
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,15 @@ class WriteMarks:
     @property
     def num_slots(self) -> int:
         return self.words.shape[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Restart the marks at ``epoch`` (0 <= epoch < EPOCH_LIMIT): every word unmarked, as a fresh
+        allocation. For tests that run launches across the restart (``EPOCH_LIMIT - 2``, say);
+        outside any CUDA-graph capture."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < EPOCH_LIMIT:
+            raise InputError(f"epoch {epoch!r} out of range [0, EPOCH_LIMIT = {EPOCH_LIMIT})")
+        self.words.fill_(UNMARKED)
+        self.epoch.fill_(epoch)
 
 
 def validate_marks(marks, held, num_slots: int, device: torch.device) -> None:
@@ -213,8 +226,32 @@ def conflict_lanes(marks_ptr, woff_ptr, rpi_ptr, ring_ptr, counter_ptr, ring_cap
 
 @triton.jit
 def epoch_key(epoch):
-    """The high word of this launch's marks: smaller every launch, never the unmarked word's."""
+    """The high word of this launch's marks: smaller every launch, never the unmarked word's
+    (for 0 <= epoch < EPOCH_LIMIT: from 2**31 - 2 down to -2**31)."""
     return (2147483646 - epoch) << 32
+
+
+@triton.jit
+def advance_epoch(marks_ptr, epoch_ptr, key, num_slots):
+    """Open the next launch's epoch, once every program of this one is done with the marks
+    (``key``: this launch's, ``epoch_key``): epoch + 1, an atomic add nothing waits for; where
+    this launch's epoch was the last below EPOCH_LIMIT (its key the smallest int64), then every
+    mark word UNMARKED and epoch 0. The restart is one program's pass over the marks, once every
+    EPOCH_LIMIT launches; every other launch pays one compare."""
+    tl.atomic_add(epoch_ptr, 1, sem="release")
+    if key == -9223372036854775807 - 1:  # epoch_key(EPOCH_LIMIT - 1)
+        lane = tl.arange(0, 1024).to(tl.int64)
+        words = 2 * num_slots
+        for c in range(0, words, 1024):
+            tl.store(marks_ptr + c + lane, tl.full([1024], 9223372036854775807, tl.int64), mask=c + lane < words)
+        tl.debug_barrier()
+        tl.atomic_xchg(epoch_ptr, 0, sem="release")
+
+
+@triton.jit
+def _advance_kernel(marks_ptr, epoch_ptr, num_slots):
+    """One program: ``advance_epoch`` after ``check_writes``' two kernels."""
+    advance_epoch(marks_ptr, epoch_ptr, epoch_key(tl.load(epoch_ptr)), num_slots)
 
 
 @triton.jit
@@ -291,4 +328,4 @@ def check_writes(*, state: DeviceState, plan: Plan, out_cache_loc: torch.Tensor,
                                               lut_t, marks.words, marks.epoch, ring, ring_counter, n, bs, num_slots,
                                               lut_len, ring.shape[0], tag, HAS_LUT=lut is not None,
                                               NBITS=num_bits(bs), BLOCK=block, num_warps=4)
-    marks.epoch.add_(1)
+    _advance_kernel[(1,)](marks.words, marks.epoch, num_slots, num_warps=4)

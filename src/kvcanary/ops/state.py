@@ -63,7 +63,7 @@ class Workspace:
     write_offsets: torch.Tensor  # int64[max_bs + 1]
     seed: torch.Tensor  # int64[max_bs]
     block_sum: torch.Tensor  # int64[2 * max_blocks]: per write block, its aggregate and its inclusive sum
-    block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive)
+    block_flag: torch.Tensor  # int64[max_blocks]: 4 * epoch + (1 agg, 2 agg with a start, 3 inclusive), mod 2**64
 
     def __post_init__(self):
         fields = ("sync", "write_offsets", "seed", "block_sum", "block_flag")
@@ -89,6 +89,15 @@ class Workspace:
         for t in (self.sync, self.write_offsets, self.block_sum, self.block_flag):
             t.zero_()
         self.seed.fill_(-1)
+
+    def set_epoch(self, epoch: int) -> None:
+        """``reset``, then the launch epoch (``sync[3]``, int64, one more each launch) at ``epoch``
+        (any int64: the kernel compares flags with the epoch wrap-safe). For tests that run
+        launches across 2**61 (where ``4 * epoch`` wraps) or 2**63; outside any CUDA-graph capture."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not -(2**63) <= epoch < 2**63:
+            raise InputError(f"epoch {epoch!r} out of range [-2**63, 2**63)")
+        self.reset()
+        self.sync[3] = epoch
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.sync, self.write_offsets, self.seed, self.block_sum, self.block_flag
