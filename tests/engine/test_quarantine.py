@@ -247,11 +247,15 @@ def test_damage_found_after_its_node_was_offloaded_is_dropped_from_the_host_tier
     _step_all(engine)
 
 
-def test_quarantine_refuses_slots_outside_the_pool():
-    engine, _, _ = _build(Policy.LOG, 1)
+def test_quarantine_refuses_slots_outside_the_pool_and_bad_counts():
+    engine, hooks, _ = _build(Policy.LOG, 1)
     with pytest.raises(ValueError, match=r"bad_slots must lie in \[0, 1024\)"):
         engine.quarantine([3, 1024])
     assert engine.stats.num_quarantined_slots == 0
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match=f"num_slots must be an int >= 0, got {bad!r}"):
+            hooks.canary.slots_quarantined(bad)
+    assert hooks.canary.totals.quarantined_slots == 0
 
 
 def test_attach_canary_engine_counts_quarantine_once_per_page():

@@ -138,6 +138,9 @@ def test_on_violation_stop_keeps_the_fail_stop():
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "again", "max_tokens": 2})
         assert r.status_code == 503 and "the engine stopped" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/canary/status").json()["engine"]["on_violation"] == "stop"
+        # the damaged slot was quarantined before the engine stopped
+        page = app.state.service.engine.config.page_size
+        assert f"kvcanary_quarantined_slots_total {float(page)}" in httpx.get(f"{base}/metrics").text
 
 
 def test_on_violation_is_checked():
