@@ -249,10 +249,11 @@ class CacheManager:
     def _clean_len(self, req: Request, num_cached: int) -> int:
         """The longest of ``req``'s first ``num_cached`` positions that may enter the prefix cache:
         up to its first quarantined page or its first prefix node quarantined while it read it."""
-        ps = self.page_size
-        pages = req.slots[:num_cached:ps].tolist()
-        bad = next((i * ps for i, s in enumerate(pages) if self.pool.is_quarantined(s)), num_cached)
-        if req.prefix_node is not None:
+        ps, bad, quarantined = self.page_size, num_cached, self.pool.quarantined_pages
+        if quarantined:  # (nothing to look for in a healthy engine)
+            hit = torch.isin(req.slots[:num_cached:ps] // ps, torch.tensor(sorted(quarantined))).nonzero()
+            bad = int(hit[0]) * ps if hit.numel() else num_cached
+        if self.tree.detached and req.prefix_node is not None:
             bad = min([bad, *(n.start for n in req.prefix_node.path() if n.is_detached)])
         return bad
 

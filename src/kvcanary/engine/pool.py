@@ -271,6 +271,11 @@ class KVPool(KVPoolBase):
                 first = torch.tensor(pages, dtype=torch.int64) * self.page_size
                 hook((first[:, None] + torch.arange(self.page_size)).flatten().to(self.device))
 
+    @property
+    def quarantined_pages(self) -> set[int]:
+        """Every quarantined page (retired or until freed)."""
+        return self._quarantined | self._until_free
+
     def is_quarantined(self, slot: int) -> bool:
         page = slot // self.page_size
         return page in self._quarantined or page in self._until_free

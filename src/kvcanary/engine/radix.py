@@ -192,7 +192,7 @@ class RadixCache:
 
     def unlock(self, node: RadixNode) -> torch.Tensor:
         """Drop one lock of ``node`` (and its path). Returns the slots of detached nodes whose last
-        lock it was (int64, CPU; usually empty): the caller frees them."""
+        lock it was (int64, CPU; usually empty, then shared: read only): the caller frees them."""
         released = []
         while node is not self.root:
             assert node.lock_count > 0, f"unlock of unlocked {node}"
@@ -203,7 +203,7 @@ class RadixCache:
                     released.append(node.slots)
                 self._stale.discard(node)
             node = node.parent
-        return _cat(released)
+        return _cat(released) if released else _EMPTY
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every node but the root, parents before children."""
