@@ -87,5 +87,8 @@ class RecordingHooks(EngineHooks):
     def on_free(self, slots) -> None:
         self.events.append(("on_free", (slots.clone(),)))
 
+    def on_retire(self, slots) -> None:
+        self.events.append(("on_retire", (slots.clone(),)))
+
     def names(self) -> list[str]:
         return [name for name, _ in self.events]

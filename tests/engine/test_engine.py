@@ -233,6 +233,8 @@ def test_recompute_quarantines_and_reprefills():
     assert engine.recompute([ids[1]], [bad]) == [ids[1]]
     assert victim.status is RequestStatus.PREEMPTED and victim.num_cached == 0 and not victim.is_active
     engine.check_integrity()
+    # quarantined while its reader held it, retired when the retraction freed it (its incidents close)
+    assert [args[0].tolist() for name, args in hooks.events if name == "on_retire"] == [[bad]]
     hooks.events.clear()
     while engine.has_unfinished:
         engine.step()

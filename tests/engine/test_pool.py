@@ -83,14 +83,36 @@ def test_quarantined_pages_never_return(page_size):
     assert int(owned[0]) not in everything.tolist() and free_slot not in everything.tolist()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_quarantine_without_retire_lasts_until_the_owner_frees(page_size):
+    hooks = RecordingHooks()
+    pool = make_pool(page_size, num_slots=8 * page_size, hooks=hooks)
+    owned = pool.alloc(2 * page_size)
+    free_slot = pool._free_pages[0] * page_size
+    # only the owned page: a free one needs nothing, page 0 is skipped
+    assert pool.quarantine(torch.tensor([int(owned[-1]), free_slot, 0]), retire=False) == 1
+    assert pool.quarantine(owned[-1:], retire=False) == 0
+    assert pool.num_quarantined_slots == page_size and pool.is_quarantined(int(owned[-1]))
+    assert not pool.is_quarantined(int(owned[0])) and not pool.is_quarantined(free_slot)
+    pool.check_integrity([owned], [])
+    with pytest.raises(AssertionError, match="leaked"):
+        pool.check_integrity([owned[:page_size]], [])
+    pool.free(owned)  # back to the free list, as a plain free
+    assert hooks.names() == ["on_free"] and hooks.events[0][1][0].tolist() == owned.tolist()
+    assert pool.num_quarantined_slots == 0 and not pool.is_quarantined(int(owned[-1]))
+    pool.check_integrity([], [])
+    assert set(owned.tolist()) <= set(pool.alloc(pool.num_free_slots).tolist())
+
+
 def test_free_reports_returned_slots_to_hooks():
     hooks = RecordingHooks()
     pool = make_pool(page_size=4, hooks=hooks)
     slots = pool.alloc(8)
     pool.quarantine(slots[:1])
     pool.free(slots)
-    assert hooks.names() == ["on_free"]
+    assert hooks.names() == ["on_free", "on_retire"]  # the quarantined page stays out: its incidents close
     assert hooks.events[0][1][0].tolist() == slots[4:].tolist()
+    assert hooks.events[1][1][0].tolist() == slots[:4].tolist()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

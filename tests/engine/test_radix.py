@@ -113,3 +113,35 @@ def test_evict_without_host_room_drops_the_host_subtree():
     evicted = tree.evict(3, lambda node: torch.arange(len(node.key)) if len(node.key) == 2 else None)
     assert sorted(evicted.slots.tolist()) == [10, 11, 12] and evicted.host_rows.tolist() == [0, 1]
     assert list(tree.nodes()) == []
+
+
+def test_quarantine_cuts_at_the_damaged_page_and_detaches_what_a_reader_locks():
+    tree = RadixCache(page_size=2)
+    tree.insert(list(range(8)), slots_for(20, 8))  # one node: tokens 0..7 in slots 20..27
+    tree.insert([0, 1, 2, 3, 9, 9], torch.tensor([20, 21, 22, 23, 40, 41]))  # a sibling after position 4
+    reader, n = tree.match([0, 1, 2, 3, 4, 5])
+    assert n == 6
+    tree.lock(reader)
+    # slot 23 (position 3, page [2, 4)) is damaged: positions 0..1 stay cached
+    slots, rows = tree.quarantine({23})
+    assert tree.match([0, 1, 2, 3, 4, 5, 6, 7])[1] == 2 and tree.match([0, 1, 2, 3, 9, 9])[1] == 2
+    # released now: the unlocked rest (positions 6..7) and the sibling; the locked path stays detached
+    assert sorted(slots.tolist()) == [26, 27, 40, 41] and rows.numel() == 0
+    assert sorted((n.start, n.slots.tolist()) for n in tree.detached) == [(2, [22, 23]), (4, [24, 25])]
+    tree.check_integrity([reader])
+    assert sorted(tree.unlock(reader).tolist()) == [22, 23, 24, 25]  # its last lock: released
+    assert tree.detached == []
+    tree.check_integrity()
+
+
+def test_quarantine_finds_host_nodes_by_the_slots_they_were_offloaded_from():
+    tree = RadixCache(page_size=2)
+    tree.insert(list(range(6)), slots_for(10, 6))
+    evicted = tree.evict(6, offload=lambda node: torch.arange(100, 100 + len(node.key)))
+    assert evicted.slots.tolist() == list(range(10, 16)) and evicted.num_offloaded == 6
+    slots, rows = tree.quarantine({14})  # position 4: the host node is cut there
+    assert slots.numel() == 0 and rows.tolist() == [104, 105]
+    (node,) = tree.root.children.values()
+    assert node.is_on_host and node.host_rows.tolist() == [100, 101, 102, 103]
+    assert node.offloaded_from.tolist() == [10, 11, 12, 13]
+    tree.check_integrity()

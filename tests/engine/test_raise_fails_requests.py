@@ -66,6 +66,7 @@ def test_a_flipped_slot_fails_exactly_its_reader_and_the_engine_goes_on(device, 
     req = engine.requests[victim]
     assert req.status is RequestStatus.FAILED and not req.is_active
     assert engine.pool.num_quarantined_slots == engine.config.page_size
+    assert engine.stats.num_quarantined_slots == hooks.canary.totals.quarantined_slots == engine.config.page_size
     engine.check_integrity()
     engine.run_until_done()  # usable: no further violation
     engine.check_integrity()

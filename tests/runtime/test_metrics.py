@@ -19,7 +19,7 @@ from kvcanary.runtime.metrics import CanaryCollector
 
 NAMES = {"kvcanary_violations", "kvcanary_incidents", "kvcanary_violation_rows_dropped", "kvcanary_verified_slots",
          "kvcanary_stamped_slots", "kvcanary_sweeps", "kvcanary_verify_skipped", "kvcanary_recomputed_requests",
-         "kvcanary_watchdog_alarms", "kvcanary_steps", "kvcanary_seconds"}
+         "kvcanary_quarantined_slots", "kvcanary_watchdog_alarms", "kvcanary_steps", "kvcanary_seconds"}
 
 
 def _run(faults):
@@ -73,6 +73,8 @@ def test_every_metric_equals_the_canary_totals(faulty):
     assert s["kvcanary_sweeps_total", ()] == t.sweeps > 0
     assert s["kvcanary_steps_total", ()] == t.steps > 0
     assert s["kvcanary_seconds_total", ()] == pytest.approx(t.seconds)
+    # the one flipped slot (page size 1) left the cache at its first detection, under log too
+    assert s["kvcanary_quarantined_slots_total", ()] == t.quarantined_slots == 1
     for name in ("verify_skipped", "recomputed_requests", "watchdog_alarms", "violation_rows_dropped"):
         assert s[f"kvcanary_{name}_total", ()] == 0
 
@@ -83,6 +85,7 @@ def test_clean_run_exposes_zero_violations(clean):
     s = _scrape(registry)
     violations = [v for (name, _), v in s.items() if name == "kvcanary_violations_total"]
     assert len(violations) == len(Reason) * len(LaunchPoint) and set(violations) == {0.0}
+    assert s["kvcanary_quarantined_slots_total", ()] == 0
     assert s["kvcanary_verified_slots_total", ()] > 0
 
 

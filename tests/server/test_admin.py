@@ -126,6 +126,12 @@ def test_sweep_finds_a_flipped_idle_cached_slot(client):
     assert 'kvcanary_violations_total{launch_point="SWEEP",pool="FULL",reason="fingerprint"} 1.0' in metrics
     status = client.get("/canary/status").json()
     assert status["totals"]["by_launch_point"] == {"SWEEP": 1} and status["last_violations"][0]["slot"] == slot
+    # the damaged slot left the prefix cache (quarantine): the next sweep finds nothing, nothing serves it
+    page = service.engine.config.page_size
+    assert f"kvcanary_quarantined_slots_total {float(page)}" in metrics
+    with service.lock:
+        assert all(slot not in r.slots.tolist() for r in service.sweep_runs())
+    assert client.post("/canary/sweep", json={}, headers=AUTH).json()["violations"] == []
 
 
 def test_slot_route_decodes_the_record_and_owners(client):

@@ -116,7 +116,9 @@ def test_raise_fails_the_reader_and_serves_the_rest(stream, late, as_on_cuda, ca
         assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == want
         metrics = httpx.get(f"{base}/metrics").text
         assert 'kvcanary_request_success_total{finished_reason="error"} 1.0' in metrics
-        assert service.engine.pool.num_quarantined_slots == service.engine.config.page_size
+        page = service.engine.config.page_size
+        assert service.engine.pool.num_quarantined_slots == service.engine.stats.num_quarantined_slots == page
+        assert f"kvcanary_quarantined_slots_total {float(page)}" in metrics
         with service.lock:
             service.engine.check_integrity()
         assert not any(r.status is RequestStatus.FAILED for r in service.engine.requests.values())
@@ -136,6 +138,9 @@ def test_on_violation_stop_keeps_the_fail_stop():
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "again", "max_tokens": 2})
         assert r.status_code == 503 and "the engine stopped" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/canary/status").json()["engine"]["on_violation"] == "stop"
+        # the damaged slot was quarantined before the engine stopped
+        page = app.state.service.engine.config.page_size
+        assert f"kvcanary_quarantined_slots_total {float(page)}" in httpx.get(f"{base}/metrics").text
 
 
 def test_on_violation_is_checked():

@@ -109,7 +109,8 @@ Model = Annotated[ModelChoice, _choice_option("--model", ModelChoice, "tiny: hid
 Device = Annotated[DeviceChoice, _choice_option("--device", DeviceChoice, "Where the engine and the canary run.")]
 PolicyOption = Annotated[PolicyChoice, _choice_option("--policy", PolicyChoice, "off: no checks; log: report and keep "
                                                       "serving; raise: fail the requests that read the damage; "
-                                                      "recompute: quarantine the slots and re-prefill the requests.")]
+                                                      "recompute: re-prefill the requests. Except off, damaged "
+                                                      "slots leave the prefix cache (quarantine).")]
 RealKv = Annotated[RealKvChoice, _choice_option("--real-kv", RealKvChoice, "Fingerprint of the real K/V bytes: none, "
                                                 "the first 16 bytes of each row, or all of it.")]
 Engine = Annotated[EngineChoice, _choice_option("--engine", EngineChoice, "reference: the embedded engine; "

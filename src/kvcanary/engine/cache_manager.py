@@ -11,6 +11,9 @@ latest first, so prompts, where prefixes are shared, keep theirs longest), then 
 prefix-cache nodes no request reads (their full K/V stays cached). The host tier carries window
 K/V too. A cached prefix is reused only up to a length whose last ``window`` positions have
 window K/V (after load-back); the rest is recomputed.
+
+Quarantine (``quarantine``): damaged pages leave the prefix cache and the host tier at once; the
+requests still reading them keep them until they end, and nothing of them is cached again.
 """
 
 from __future__ import annotations
@@ -79,9 +82,15 @@ class CacheManager:
                 return end
         return 0
 
+    def _unlock(self, node: RadixNode) -> None:
+        """Drop a lock of ``node``; free the slots of quarantined nodes whose last lock it was."""
+        released = self.tree.unlock(node)
+        if released.numel():
+            self.pool.free(released)
+
     def _rematch(self, node: RadixNode, tokens: list[int], length: int) -> tuple[RadixNode, int]:
         """Unlock ``node`` and lock the prefix of ``tokens`` of ``length`` instead (splitting a node)."""
-        self.tree.unlock(node)
+        self._unlock(node)
         node, length = self.tree.match(tokens[:length])
         self.tree.lock(node)
         return node, length
@@ -102,7 +111,7 @@ class CacheManager:
                 continue
             slots = self.alloc_slots(len(n.key))
             if slots is None:
-                self.tree.unlock(node)
+                self._unlock(node)
                 node = n.parent
                 self.tree.lock(node)
                 length = node.end
@@ -213,14 +222,16 @@ class CacheManager:
             num_cached = req.num_cached // self.page_size * self.page_size
             if Bug.REJECTED_DRAFT_KV_CACHED in self.zoo:
                 num_cached = self._cache_held_slots(req, num_cached)
+            num_cached = self._clean_len(req, num_cached)
             inserted = self.tree.insert(req.token_ids[:num_cached], req.slots[:num_cached])
             if self.host_tier is not None:
                 self.host_tier.free_rows(inserted.revived_host_rows)
-            self.pool.free(torch.cat([inserted.duplicate_slots, req.slots[num_cached:]]))
+            # (a cut inside the prefix leaves its slots to the quarantined nodes that own them)
+            self.pool.free(torch.cat([inserted.duplicate_slots, req.slots[max(num_cached, own_start):]]))
         else:
             self.pool.free(req.slots[own_start:])
         if self.tree is not None and req.prefix_node is not None:
-            self.tree.unlock(req.prefix_node)
+            self._unlock(req.prefix_node)
         self._window_users.pop(req.request_id, None)
         self.pool.free_row(req.row)
         req.reset_cache_state()
@@ -235,22 +246,36 @@ class CacheManager:
                             request_id=req.request_id, positions=range(num_cached, held))
         return max(held, num_cached)
 
-    def quarantine(self, bad_slots: torch.Tensor) -> int:
-        """Never hand out the pages of ``bad_slots`` again and drop every prefix-cache node holding
-        one (with its subtree). Requests reading them must have been released. Returns pages quarantined."""
-        num_pages = self.pool.quarantine(bad_slots)
+    def _clean_len(self, req: Request, num_cached: int) -> int:
+        """The longest of ``req``'s first ``num_cached`` positions that may enter the prefix cache:
+        up to its first quarantined page or its first prefix node quarantined while it read it."""
+        ps, bad, quarantined = self.page_size, num_cached, self.pool.quarantined_pages
+        if quarantined:  # (nothing to look for in a healthy engine)
+            hit = torch.isin(req.slots[:num_cached:ps] // ps, torch.tensor(sorted(quarantined))).nonzero()
+            bad = int(hit[0]) * ps if hit.numel() else num_cached
+        if self.tree.detached and req.prefix_node is not None:
+            bad = min([bad, *(n.start for n in req.prefix_node.path() if n.is_detached)])
+        return bad
+
+    def quarantine(self, bad_slots: torch.Tensor, retire: bool = True) -> int:
+        """Take the pages of ``bad_slots`` (int64, CPU) out of the prefix cache and the host tier:
+        every node holding one is cut at that page and the rest leaves with its subtree (host rows
+        freed; device slots freed, or, where a running request still reads them, when it ends;
+        the damaged pages are retired, the others return). Pages a request owns stay its own and
+        are never cached (``release``). ``retire``: see ``KVPool.quarantine``. Returns the number
+        of pages newly quarantined."""
+        fresh = {s for s in bad_slots.tolist() if not self.pool.is_quarantined(s)}  # (re-detections: out already)
+        if not fresh:
+            return 0
+        num_pages = self.pool.quarantine(torch.tensor(sorted(fresh), dtype=torch.int64), retire)
         if self.tree is None:
             return num_pages
-        bad = set(bad_slots.tolist())
-        victims = [n for n in self.tree.nodes() if not n.is_on_host and bad & set(n.slots.tolist())]
-        victim_ids = {id(n) for n in victims}
-        for node in victims:
-            if any(id(a) in victim_ids for a in node.path()[:-1]):
-                continue  # goes with its ancestor's subtree
-            slots, host_rows = self.tree.remove(node)
+        slots, host_rows = self.tree.quarantine(fresh)
+        if slots.numel():
             self.pool.free(slots)
-            if self.host_tier is not None:
-                self.host_tier.free_rows(host_rows)
+        if self.host_tier is not None:
+            self.host_tier.free_rows(host_rows)
+        self.stats.num_dropped_host_slots += host_rows.numel()
         return num_pages
 
     def check_integrity(self, requests: Sequence[Request]) -> None:
@@ -275,6 +300,7 @@ class CacheManager:
         if self.tree is not None:
             self.tree.check_integrity([r.prefix_node for r in active])
             owned += [n.slots for n in self.tree.nodes() if not n.is_on_host]
+            owned += [n.slots for n in self.tree.detached]
         self.pool.check_integrity(owned, [r.row for r in active])
         if self.host_tier is not None:
             self.host_tier.check_integrity()

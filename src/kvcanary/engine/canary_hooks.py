@@ -8,7 +8,9 @@ in ``after_forward``, so on the CPU a violation is known before the step samples
 recompute policy the affected requests are retracted there and produce no token from the
 corrupted forward. Under the raise policy the requests that read the damage fail there instead
 (``Engine.fail``: status FAILED, slots quarantined), the step completes for the others, and
-``after_step`` raises the ``CanaryViolation`` naming them; the engine stays usable. After a
+``after_step`` raises the ``CanaryViolation`` naming them; the engine stays usable. Under every
+policy the slots a report names as damaged then leave the prefix cache and the host tier
+(``Engine.quarantine``), counted in the canary's ``totals.quarantined_slots``. After a
 replayed forward's launch, the step before a sweep, ``after_forward`` also builds the sweep's
 runs (``Canary.prefetch_sweep``): the host waits for the replay there anyway. Offload and
 load-back move the records with the K/V rows.
@@ -35,7 +37,7 @@ from kvcanary.errors import CanaryViolation
 from kvcanary.ops.fingerprint import KVSource
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.canary import Canary, PoolGeometry, Recovery, StepReport
-from kvcanary.runtime.policy import merge_recoveries
+from kvcanary.runtime.policy import acts, merge_recoveries
 from kvcanary.runtime.sweep import SweepRun
 
 if TYPE_CHECKING:
@@ -112,6 +114,7 @@ class CanaryHooks(EngineHooks):
         self.reports: list[StepReport] = []
         self._window_batches: tuple[ForwardBatch, ForwardBatch] | None = None  # (batch, its window-pool twin)
         self.failure: CanaryViolation | None = None  # raised by ``after_step`` (raise policy)
+        self._quarantined = 0  # the engine's quarantined slots already counted in the canary's totals
 
     def attach(self, engine: Engine) -> Canary:
         cfg = engine.config
@@ -196,6 +199,8 @@ class CanaryHooks(EngineHooks):
             self.failure = self._fail(report)
         if self.failure is None and (report.violations or report.alarms or report.recovery is not None):
             self._handle(report)  # (a clean step: nothing to handle)
+        if report.violations:
+            self.quarantine(report.violations)
         every = self._sweep_every
         if every and self.engine.replaying and (self.step + 1) % every == 0 and self.prefetch_sweeps:
             # the step before a sweep, its forward a replay still running on the device: the host waits
@@ -210,22 +215,40 @@ class CanaryHooks(EngineHooks):
         if report.recovery is not None:
             self.engine.apply_recovery(report.recovery)
 
+    def _damaged_slots(self, violations: Sequence) -> list[int]:
+        """The full-pool slots ``violations`` name as damaged (bad entries name none; a window
+        pool's slot counts as the full slot that owns it), sorted."""
+        damaged = [v for v in violations if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY]
+        slots = {v.slot for v in damaged if v.tag.pool is not PoolKind.SWA}
+        window = [v.slot for v in damaged if v.tag.pool is PoolKind.SWA]
+        if window:  # the window pool's slots: the full slots that own them
+            slots.update(self.engine.pool.window.full_slots_of(window))
+        return sorted(slots)
+
+    def quarantine(self, violations: Sequence) -> None:
+        """Quarantine the slots ``violations`` name as damaged (``Engine.quarantine``; every policy,
+        called after each report that has violations; a no-op for slots already out of the cache)
+        and count in the canary's ``totals.quarantined_slots`` what the engine took out since the
+        last call (``Engine.fail`` and ``recompute`` quarantine too)."""
+        before = self._quarantined
+        # raise and recompute retire the pages for good; log, which keeps serving, only until freed
+        self.engine.quarantine(torch.tensor(self._damaged_slots(violations), dtype=torch.int64),
+                               retire=acts(self.config.policy))
+        self._quarantined = self.engine.stats.num_quarantined_slots
+        if self._quarantined > before:
+            self.canary.slots_quarantined(self._quarantined - before)
+
     def _fail(self, report: StepReport) -> CanaryViolation | None:
         """The raise policy's violations of ``report``: the requests that read the damage fail
         (``Engine.fail``), the damaged slots are quarantined; returns the error naming them, or
         None when the report holds no news (damage already quarantined, read again by requests
         already failed: with reports a step late, the step that failed them read it once more)."""
         vs = report.violations
-        damaged = [v for v in vs if v.slot > 0 and not v.reasons & Reason.BAD_ENTRY]
-        slots = {v.slot for v in damaged if v.tag.pool is not PoolKind.SWA}
-        window = [v.slot for v in damaged if v.tag.pool is PoolKind.SWA]
-        if window:  # the window pool's slots: the full slots that own them
-            slots.update(self.engine.pool.window.full_slots_of(window))
-        pool = self.engine.pool
-        fresh = [s for s in slots if not pool.is_quarantined(s)]
+        slots = self._damaged_slots(vs)
+        fresh = [s for s in slots if not self.engine.pool.is_quarantined(s)]
         reqs = [r for r in dict.fromkeys(r for v in vs for r in v.requests) if isinstance(r, int)]
-        failed = self.engine.fail(reqs, torch.tensor(sorted(slots), dtype=torch.int64), min(v.step for v in vs))
-        if not failed and not fresh and (slots or window):
+        failed = self.engine.fail(reqs, torch.tensor(slots, dtype=torch.int64), min(v.step for v in vs))
+        if not failed and not fresh and slots:
             return None
         names = ", ".join(map(str, failed)) or "none"
         return CanaryViolation(f"{len(vs)} KV-cache violation(s); failed requests: {names}; first: {vs[0].line()}",
@@ -255,6 +278,8 @@ class CanaryHooks(EngineHooks):
         failure = self._fail(report) if raised else None
         if failure is None:
             self._handle(report, keep)  # its recovery re-queues what it names (raise: a re-detection is kept)
+        if report.violations:
+            self.quarantine(report.violations)
         self.engine.delivery.advance(step, flush=True)  # every step's report is in: the rest may go out
         if failure is not None:
             raise failure
@@ -291,6 +316,9 @@ class CanaryHooks(EngineHooks):
     def on_free(self, slots: torch.Tensor) -> None:
         # incidents of freed slots close (the window pool's close when its slots are stamped again)
         self.canary.slots_freed(slots)
+
+    def on_retire(self, slots: torch.Tensor) -> None:
+        self.canary.slots_freed(slots)  # quarantined slots their last holder let go: their incidents close
 
     def on_load(self, host_rows: torch.Tensor, device_slots: torch.Tensor) -> None:
         self.canary.rows_landed(device_slots, host_rows)  # landed with the K/V; verified at once

@@ -334,8 +334,8 @@ class Engine:
 
     def recompute(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
                   since_step: int | None = None) -> list[int]:
-        """Quarantine ``bad_slots`` (never handed out again; prefix-cache nodes holding one are
-        dropped) and make the named running requests, and any running request whose slots include
+        """Quarantine ``bad_slots`` (``quarantine``; they are freed as their readers are
+        retracted) and make the named running requests, and any running request whose slots include
         a bad one, re-prefill from prompt + outputs, forgetting outputs sampled at ``since_step``
         or later (they may have read corrupted K/V; none of them was delivered, see ``delivery``).
         With reports one step late, the requests that read a bad slot at ``since_step`` or later
@@ -355,6 +355,7 @@ class Engine:
         affected = [
             r for r in self.scheduler.running if r.request_id in named or bad_set & set(r.slots.tolist())
         ]
+        self.quarantine(bad)  # before the retraction frees them: counted, and never cached by it
         for req in reversed(affected):
             self.scheduler.retract(req)
             if since_step is not None:
@@ -377,7 +378,6 @@ class Engine:
                         self.scheduler.waiting.appendleft(req)
                     affected.append(req)
         self.stats.num_recomputes += len(affected)
-        self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return [r.request_id for r in affected]
 
     def fail(self, request_ids: Sequence[int], bad_slots: torch.Tensor | Sequence[int],
@@ -398,6 +398,7 @@ class Engine:
         # a server drops the requests it is done with: ids it no longer knows are skipped
         named = {i for i in (*request_ids, *self.delivery.holding(bad_set, since_step)) if i in self.requests}
         named |= {r.request_id for r in self.scheduler.running if bad_set & set(r.slots.tolist())}
+        self.quarantine(bad)  # before the failed requests free them: counted, and never cached
         failed = []
         for rid in sorted(named):
             req = self.requests[rid]
@@ -410,8 +411,23 @@ class Engine:
             req.drop_outputs_since(since_step)
             self.delivery.dropped(req)
             failed.append(rid)
-        self.stats.num_quarantined_slots += self.cache.quarantine(bad) * self.config.page_size
         return failed
+
+    def quarantine(self, bad_slots: torch.Tensor | Sequence[int], retire: bool = True) -> int:
+        """Damage found in ``bad_slots`` (every policy): their pages leave the prefix cache and
+        the host tier now, with everything cached after them, so no later request is served them
+        (it misses there and recomputes); a running request reading them keeps them until it
+        ends, never cached again. With ``retire`` their pages are never handed out again (freed,
+        they are retired: ``on_retire``); without (the log policy: keep serving) owned pages
+        return to the free list when freed and free ones stay there. Page 0 is skipped.
+        Returns the slots newly quarantined (whole pages; counted in
+        ``stats.num_quarantined_slots``). Raises ValueError for a slot outside the pool."""
+        bad = torch.as_tensor(bad_slots, dtype=torch.int64).flatten().cpu()
+        if bad.numel() and not bool(((bad >= 0) & (bad < self.config.num_slots)).all()):
+            raise ValueError(f"bad_slots must lie in [0, {self.config.num_slots}), got {bad.tolist()[:16]}")
+        num = self.cache.quarantine(bad[bad >= self.config.page_size], retire) * self.config.page_size
+        self.stats.num_quarantined_slots += num
+        return num
 
     def check_integrity(self) -> None:
         """Assert every host-side invariant: slot, row and host-row conservation, prefix-cache

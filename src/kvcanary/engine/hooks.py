@@ -13,7 +13,8 @@ Order within one ``Engine.step()``:
 3. sampling, then ``on_free`` for finished requests' slots that do not stay in the prefix cache;
 4. ``after_step(step_index)``.
 
-``Engine.abort`` and ``Engine.recompute`` run between steps and may call ``on_free``.
+``Engine.abort`` and ``Engine.recompute`` run between steps and may call ``on_free``. Wherever
+``on_free`` may come, ``on_retire`` may come instead for quarantined slots.
 Slot tensors are int64 on the engine's device, except ``on_offload``'s and ``on_load``'s: int64 on
 the CPU, as the host rows.
 """
@@ -69,3 +70,7 @@ class EngineHooks:
 
     def on_free(self, slots: torch.Tensor) -> None:
         """Right after ``slots`` returned to the allocator (they may be handed out again)."""
+
+    def on_retire(self, slots: torch.Tensor) -> None:
+        """Right after the last holder of quarantined ``slots`` freed them: they leave service for
+        good (never handed out again)."""

@@ -11,7 +11,12 @@ Ownership of every usable page, checked by ``check_integrity``:
 | quarantined  | nobody, ever again (``quarantine``: suspected corruption) |
 | owned        | exactly one prefix-cache node or one request              |
 
-A page quarantined while owned stays owned until its owner frees it, then stays out.
+A page quarantined while owned stays owned until its owner frees it (a running reader is not cut
+off; ``CacheManager.release`` never caches it), then stays out (``hooks.on_retire``: its incidents
+close): a bug that keeps hitting one place (a padding lane's fixed slot) hits it once, and the
+recompute guarantee holds (``tests/faults/test_delivery.py``). Under the log policy, which must
+keep serving, a page is quarantined only until its owner frees it (``retire=False``): it returns
+to the free list then, so a recurring bug cannot drain the pool.
 
 A model with sliding-window layers keeps their K/V in a second, smaller pool (``WindowPool``):
 only positions inside some request's window hold a window slot, found through the full-slot ->
@@ -50,7 +55,7 @@ class KVPoolBase(ABC):
     @abstractmethod
     def free(self, slots: torch.Tensor) -> None:
         """Return whole pages to the free list (quarantined pages stay out), then call
-        ``hooks.on_free`` with the returned slots."""
+        ``hooks.on_free`` with the returned slots and ``hooks.on_retire`` with the quarantined ones."""
 
     @abstractmethod
     def alloc_row(self) -> int | None:
@@ -216,6 +221,7 @@ class KVPool(KVPoolBase):
         self._free_pages = deque(range(1, config.num_pages))
         self._is_free = [False] + [True] * (config.num_pages - 1)
         self._quarantined: set[int] = set()
+        self._until_free: set[int] = set()  # quarantined until their owner frees them (``quarantine(retire=False)``)
         self._free_rows = deque(range(1, config.max_rows))
 
     @property
@@ -224,7 +230,7 @@ class KVPool(KVPoolBase):
 
     @property
     def num_quarantined_slots(self) -> int:
-        return len(self._quarantined) * self.page_size
+        return (len(self._quarantined) + len(self._until_free)) * self.page_size
 
     def _pages_of(self, slots: torch.Tensor) -> list[int]:
         ps = self.page_size
@@ -250,31 +256,48 @@ class KVPool(KVPoolBase):
         slots = slots.to("cpu", torch.int64)
         if self.window is not None:
             self.window.unmap(slots)
-        returned = []
+        returned, retired = [], []
         for p in self._pages_of(slots):
             assert 0 < p < len(self._is_free) and not self._is_free[p], f"double free or bad page {p}"
             if p in self._quarantined:
+                retired.append(p)
                 continue
+            self._until_free.discard(p)
             self._is_free[p] = True
             self._free_pages.append(p)
             returned.append(p)
-        if returned:
-            first = torch.tensor(returned, dtype=torch.int64) * self.page_size
-            self.hooks.on_free((first[:, None] + torch.arange(self.page_size)).flatten().to(self.device))
+        for pages, hook in ((returned, self.hooks.on_free), (retired, self.hooks.on_retire)):
+            if pages:
+                first = torch.tensor(pages, dtype=torch.int64) * self.page_size
+                hook((first[:, None] + torch.arange(self.page_size)).flatten().to(self.device))
+
+    @property
+    def quarantined_pages(self) -> set[int]:
+        """Every quarantined page (retired or until freed)."""
+        return self._quarantined | self._until_free
 
     def is_quarantined(self, slot: int) -> bool:
-        return slot // self.page_size in self._quarantined
+        page = slot // self.page_size
+        return page in self._quarantined or page in self._until_free
 
-    def quarantine(self, slots: torch.Tensor) -> int:
+    def quarantine(self, slots: torch.Tensor, retire: bool = True) -> int:
         """Never hand out the pages of ``slots`` again. Free pages leave the free list now; owned
-        ones are kept out when their owner frees them. Returns the number of newly quarantined pages."""
+        ones are kept out when their owner frees them. Without ``retire`` (the log policy) only
+        owned pages are marked, until their owner frees them: they return to the free list then.
+        Returns the number of newly quarantined pages."""
         pages = set((slots.to("cpu", torch.int64) // self.page_size).tolist()) - {0} - self._quarantined
+        if not retire:
+            pages = {p for p in pages - self._until_free if not self._is_free[p]}
+            self._until_free |= pages
+            return len(pages)
+        num_new = len(pages - self._until_free)
+        self._until_free -= pages
         for p in pages:
             if self._is_free[p]:
                 self._free_pages.remove(p)
                 self._is_free[p] = False
         self._quarantined |= pages
-        return len(pages)
+        return num_new
 
     def alloc_row(self) -> int | None:
         return self._free_rows.popleft() if self._free_rows else None
@@ -369,6 +392,7 @@ class KVPool(KVPoolBase):
         both = sorted((owned_pages | self._quarantined) & free_pages)
         lost = sorted(set(range(1, num_pages)) - owned_pages - free_pages - self._quarantined)
         idle_quarantined = self._quarantined - owned_pages  # owned ones leave when their owner frees them
+        lost += sorted(self._until_free - owned_pages)  # (quarantined until freed, but owned by nobody)
         assert not (bad or both or lost), (
             f"slot conservation broken: free {len(free_pages)} + quarantined {len(idle_quarantined)} + "
             f"owned {len(owned_pages)} pages vs {num_pages - 1} usable; pages owned twice, partly or "

@@ -9,6 +9,13 @@ Locks: a running request locks the node its matched prefix ends at; ``lock_count
 counts the locks at or below it. Locked nodes are never evicted. Eviction takes device nodes
 with no device children in least-recently-used order. The tree knows no pool: it returns
 slots and host rows, and the caller frees them.
+
+Quarantine (``quarantine``): a node holding a damaged slot is cut at the damaged slot's page and
+the rest leaves the index with its subtree, so no later match reaches it. Unlocked nodes of it
+are released at once; a node a running request still reads stays *detached* (out of the index,
+its slots still its own) until its last lock goes, and ``unlock`` returns its slots then. A host
+node remembers the device slots it was offloaded from (``offloaded_from``), so damage reported
+after the offload reaches it too.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class RadixNode:
     ):
         self.key, self.slots, self.parent, self.start = key, slots, parent, start
         self.host_rows: torch.Tensor | None = None
+        self.offloaded_from: torch.Tensor | None = None  # on the host: the device slots it came from
+        self.is_detached = False  # quarantined while locked: out of the index until its last unlock
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_count = 0
         self.last_access = 0
@@ -88,6 +97,7 @@ class RadixCache:
         self.root.lock_count = 1  # never evicted
         self._clock = itertools.count(1)
         self._stale: set[RadixNode] = set()  # zoo (Bug.STALE_RADIX_NODE): freed but still in the tree
+        self.detached: list[RadixNode] = []  # quarantined nodes running requests still read
 
     def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], i: int) -> int:
         limit, n = min(len(key), len(tokens) - i), 0
@@ -101,9 +111,13 @@ class RadixCache:
         upper = RadixNode(node.key[:n], None, node.parent, node.start)
         if node.is_on_host:
             upper.host_rows, node.host_rows = node.host_rows[:n].clone(), node.host_rows[n:].clone()
+            if node.offloaded_from is not None:
+                upper.offloaded_from, node.offloaded_from = node.offloaded_from[:n], node.offloaded_from[n:]
         else:
             upper.slots, node.slots = node.slots[:n].clone(), node.slots[n:].clone()
         upper.lock_count, upper.last_access = node.lock_count, node.last_access
+        if node in self._stale:  # zoo: both halves hold freed slots
+            self._stale.add(upper)
         node.parent.children[node.key[:ps]] = upper
         node.key, node.start, node.parent = node.key[n:], node.start + n, upper
         upper.children[node.key[:ps]] = node
@@ -176,11 +190,20 @@ class RadixCache:
             node.lock_count += 1
             node = node.parent
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: RadixNode) -> torch.Tensor:
+        """Drop one lock of ``node`` (and its path). Returns the slots of detached nodes whose last
+        lock it was (int64, CPU; usually empty, then shared: read only): the caller frees them."""
+        released = []
         while node is not self.root:
             assert node.lock_count > 0, f"unlock of unlocked {node}"
             node.lock_count -= 1
+            if node.is_detached and node.lock_count == 0:
+                self.detached.remove(node)
+                if node not in self._stale:  # (zoo: a stale node's slots were freed already)
+                    released.append(node.slots)
+                self._stale.discard(node)
             node = node.parent
+        return _cat(released) if released else _EMPTY
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every node but the root, parents before children."""
@@ -201,6 +224,52 @@ class RadixCache:
             stack.extend(n.children.values())
         slots = _cat([n.slots for n in subtree if not n.is_on_host])
         return slots, _cat([n.host_rows for n in subtree if n.is_on_host])
+
+    def quarantine(self, bad_slots: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take every page holding one of ``bad_slots`` out of the index, with everything cached
+        after it: a node is cut at its first bad page (the pages before it stay cached), the rest
+        and its subtree leave. Device nodes match by their slots, host nodes by the slots they
+        were offloaded from. Returns (device slots, host rows) released now (the caller frees
+        them); locked nodes stay detached until ``unlock`` releases them."""
+        ps, hits = self.page_size, []
+        for node in self.nodes():
+            held = node.slots if not node.is_on_host else node.offloaded_from
+            if held is None:
+                continue
+            bad = [i for i, s in enumerate(held.tolist()) if s in bad_slots]
+            if bad:
+                hits.append((node, bad[0] // ps * ps))
+        hit_ids = {id(n) for n, _ in hits}
+        slots, rows = [], []
+        for node, cut in hits:
+            if any(id(a) in hit_ids for a in node.path()[:-1]):
+                continue  # leaves with its ancestor's subtree
+            if cut:
+                self._split(node, cut)
+            s, r = self._detach(node)
+            slots.append(s)
+            rows.append(r)
+        return _cat(slots), _cat(rows)
+
+    def _detach(self, node: RadixNode) -> tuple[torch.Tensor, torch.Tensor]:
+        """``node`` and its subtree leave the index: unlocked ones are released (their slots and
+        host rows returned), locked ones stay detached."""
+        del node.parent.children[node.key[: self.page_size]]
+        slots, rows, stack = [], [], [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.lock_count:
+                assert not n.is_on_host, f"locked host node {n}"
+                n.is_detached = True
+                self.detached.append(n)
+            elif n in self._stale:  # zoo: its slots were freed already
+                self._stale.discard(n)
+            elif n.is_on_host:
+                rows.append(n.host_rows)
+            else:
+                slots.append(n.slots)
+        return _cat(slots), _cat(rows)
 
     def _is_evictable(self, node: RadixNode) -> bool:
         return (
@@ -230,7 +299,7 @@ class RadixCache:
             rows = offload(node) if offload is not None else None
             if rows is not None:
                 freed.append(node.slots)
-                node.slots, node.host_rows = None, rows
+                node.offloaded_from, node.slots, node.host_rows = node.slots, None, rows
                 num_offloaded += rows.numel()
             elif Bug.STALE_RADIX_NODE in self.zoo and not node.children:
                 # zoo: the slots are freed and the node leaves the eviction list, not its parent
@@ -269,4 +338,8 @@ class RadixCache:
             )
             assert n.lock_count == expected.get(id(n), 0), (
                 f"{where}: lock_count {n.lock_count} != {expected.get(id(n), 0)} locks held by requests"
+            )
+        for n in self.detached:
+            assert n.is_detached and not n.is_on_host and n.lock_count == expected.get(id(n), 0) > 0, (
+                f"detached {n}: lock_count {n.lock_count} != {expected.get(id(n), 0)} locks held by requests (> 0)"
             )

@@ -145,3 +145,4 @@ class RankCanaryHooks(CanaryHooks):
         if rec is not None and (rec.requests or rec.slots):
             self.recoveries.append((report.step, rec))
             self.engine.apply_recovery(rec)
+            self.quarantine(())  # counts what the recovery quarantined in the canary's totals

@@ -124,6 +124,9 @@ class FaultHooks(EngineHooks):
         for fault in self.faults:
             fault.on_free(slots)
 
+    def on_retire(self, slots: torch.Tensor) -> None:
+        self.inner.on_retire(slots)
+
 
 def attach_faults(engine_factory: Callable[[EngineHooks], Engine], config: CanaryConfig,
                   faults: Sequence[Fault]) -> tuple[Engine, CanaryHooks, FaultHooks]:

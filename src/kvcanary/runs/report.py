@@ -51,6 +51,7 @@ class CanaryCounts:
     forwards: int = 0
     steps: int = 0
     recomputed_requests: int = 0
+    quarantined_slots: int = 0  # damaged slots taken out of the prefix cache and host tier
     watchdog_alarms: int = 0  # alarms reported
     watchdog_alarms_logged: int = 0
     seconds: float = 0.0  # host wall time inside the canary (the rank agreement's included)
@@ -74,7 +75,8 @@ class CanaryCounts:
             verified_slots=sum(device[p.name]["checked"] for p in LaunchPoint) if device else 0,
             sweeps=max((t.sweeps for t in totals), default=0), forwards=max((t.forwards for t in totals), default=0),
             steps=max((t.steps for t in totals), default=0),
-            recomputed_requests=sum(t.recomputed_requests for t in totals), watchdog_alarms=len(alarms),
+            recomputed_requests=sum(t.recomputed_requests for t in totals),
+            quarantined_slots=sum(t.quarantined_slots for t in totals), watchdog_alarms=len(alarms),
             watchdog_alarms_logged=sum(t.watchdog_alarms for t in totals), seconds=sum(t.seconds for t in totals),
             device=device)
 
@@ -105,6 +107,7 @@ class CanaryCounts:
         """The report's ``canary`` section."""
         return {"forwards": self.forwards, "steps": self.steps, "sweeps": self.sweeps,
                 "violations": self.violations_logged, "recomputed_requests": self.recomputed_requests,
+                "quarantined_slots": self.quarantined_slots,
                 "watchdog_alarms": self.watchdog_alarms_logged, "seconds": self.seconds, "counters": self.device}
 
 

@@ -391,6 +391,14 @@ class Canary:
         if self.config.enabled:
             self.incidents.note(self.ctx.step.step, slots, "freed")
 
+    def slots_quarantined(self, num_slots: int) -> None:
+        """The engine took ``num_slots`` damaged slots out of its prefix cache and host tier
+        (quarantine): counted in ``totals.quarantined_slots`` (metrics, run report). Raises
+        ValueError for a negative or non-int count."""
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+            raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+        self.totals.quarantined_slots += num_slots
+
     # --- after each step ---------------------------------------------------------------------
 
     def end_step(self, step: int) -> StepReport:

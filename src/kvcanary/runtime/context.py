@@ -27,6 +27,7 @@ class CanaryTotals:
     by_launch_point: Counter = field(default_factory=Counter)
     by_label: Counter = field(default_factory=Counter)  # (reason, launch point, pool) -> count, for metrics
     recomputed_requests: int = 0
+    quarantined_slots: int = 0  # damaged slots the engine took out of its cache (``Canary.slots_quarantined``)
     watchdog_alarms: int = 0
     device_errors: int = 0  # steps whose kernels raised a device error flag
     seconds: float = 0.0

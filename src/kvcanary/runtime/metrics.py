@@ -15,6 +15,8 @@
 | kvcanary_sweeps_total                    | counter | sweep launches                                  |
 | kvcanary_verify_skipped_total            | counter | forwards whose verify was skipped (plan overflow)|
 | kvcanary_recomputed_requests_total       | counter | requests handed back for re-prefill             |
+| kvcanary_quarantined_slots_total         | counter | damaged slots the engine took out of its prefix |
+|                                          |         | cache and host tier (whole pages)               |
 | kvcanary_watchdog_alarms_total           | counter | launch points found silent                      |
 | kvcanary_steps_total                     | counter | steps the canary reported on                    |
 | kvcanary_seconds_total                   | counter | host wall time inside the canary                |
@@ -73,6 +75,7 @@ class CanaryCollector(Collector):
                 scalars["sweeps"] += t.sweeps
                 scalars["verify_skipped"] += counters["plan_overflows"]
                 scalars["recomputed_requests"] += t.recomputed_requests
+                scalars["quarantined_slots"] += t.quarantined_slots
                 scalars["watchdog_alarms"] += t.watchdog_alarms
                 scalars["steps"] += t.steps
                 scalars["seconds"] += t.seconds
@@ -103,6 +106,7 @@ _SCALARS = {
     "sweeps": "Sweep launches over idle prefix-cache slots.",
     "verify_skipped": "Forwards whose verify was skipped because the verify plan overflowed.",
     "recomputed_requests": "Requests handed back to the engine for re-prefill (recompute policy).",
+    "quarantined_slots": "Damaged slots taken out of the prefix cache and the host tier (quarantine, every policy).",
     "watchdog_alarms": "Watchdog alarms: a launch point stopped running.",
     "steps": "Steps the canary reported on.",
     "seconds": "Host wall time spent inside the canary, in seconds.",

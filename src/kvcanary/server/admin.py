@@ -123,6 +123,10 @@ class AdminTarget:
     def recover(self, recovery: Recovery) -> None:
         """Act on the recompute policy's ``Recovery`` found by an out-of-band sweep (default: nothing)."""
 
+    def quarantine(self, violations: list) -> None:
+        """Take the slots ``violations`` (found by an out-of-band sweep) name as damaged out of the
+        engine's prefix cache, under every policy (default: nothing)."""
+
     def engine_status(self, reveal: bool = True) -> dict:
         """The engine's state for ``/canary/status``; without ``reveal``, nothing that names a
         request or shows cached content."""
@@ -250,6 +254,8 @@ class CanaryAdmin:
         self.record(report)
         if report.recovery is not None:
             t.recover(report.recovery)
+        if report.violations:
+            t.quarantine(report.violations)
         return {"step": step, "runs": len(runs), "cached_slots": cached, "verified_slots": n,
                 "violations": [v.to_json() for v in report.violations], "raised": stopped}
 

@@ -437,6 +437,9 @@ class EngineService(AdminTarget):
     def recover(self, recovery: Recovery) -> None:
         self.engine.apply_recovery(recovery)
 
+    def quarantine(self, violations: list) -> None:
+        self.hooks.quarantine(violations)
+
     def engine_status(self, reveal: bool = True) -> dict:
         """The engine's state; without ``reveal`` the recent requests are counts and timings only
         (no engine or client request ids)."""
