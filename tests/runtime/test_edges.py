@@ -1,0 +1,109 @@
+"""Edges of the runtime and the engine's delivery, counts asserted as numbers: one damaged slot
+found at two launch points is one incident; a late recovery that drops tokens a client was
+already sent counts exactly those tokens as retracted."""
+
+from __future__ import annotations
+
+import torch
+from tests.engine._helpers import make_engine, random_prompts
+
+from kvcanary.core.record import LaunchPoint, LaunchTag, Reason, record_words
+from kvcanary.engine.delivery import Delivery
+from kvcanary.engine.request import Request
+from kvcanary.runtime.incidents import IncidentTracker
+from kvcanary.runtime.reporting import Violation
+
+from .test_incidents import NUM_SLOTS, Decoder
+
+
+def _violation(step: int, point: LaunchPoint, slot: int = 9, reasons: Reason = Reason.CHAIN) -> Violation:
+    return Violation(step, LaunchTag(point), reasons, slot, 4, 1, 1, 0, 0, (("r", 4),))
+
+
+def test_one_slot_found_at_two_launch_points_is_one_incident():
+    """The same (slot, reason) at HEAD and at TAIL of one step, then at a SWEEP: one incident,
+    two re-detections; another slot at TAIL is a second incident."""
+    t = IncidentTracker()
+    out = t.observe([_violation(3, LaunchPoint.HEAD), _violation(3, LaunchPoint.TAIL)], upto_step=3)
+    assert [len(opened) for _, opened in out] == [1, 0]
+    t.observe([_violation(4, LaunchPoint.SWEEP), _violation(4, LaunchPoint.TAIL, slot=10)], upto_step=4)
+    assert t.num_incidents == 2 and t.redetections == 2
+    first = t.history[0]
+    assert first.detections == 3 and first.point is LaunchPoint.HEAD and first.last_step == 4
+    assert t.by_label == {("chain", "HEAD", "FULL"): 1, ("chain", "TAIL", "FULL"): 1}
+
+
+def test_a_damaged_record_read_at_head_and_tail_for_five_steps_is_one_incident():
+    """A prefix slot's chain word flipped: HEAD and TAIL of each of 5 decode steps report it and
+    its successor (whose link to it breaks): 20 violations, one incident per slot, each detected
+    10 times (5 at each launch point). Its clean twin: none."""
+    slots = (torch.randperm(NUM_SLOTS - 1, generator=torch.Generator().manual_seed(7))[:40] + 1).tolist()
+    clean = Decoder(seed=5)
+    clean.start(slots)
+    clean.decode(5)
+    assert clean.violations == [] and clean.canary.incidents.num_incidents == 0
+    d = Decoder(seed=5)
+    d.start(slots)
+    record_words(d.canary.state.records)[slots[4], 2] ^= 1 << 33
+    d.decode(5)
+    points = [v.point for v in d.violations if v.slot == slots[4]]
+    assert points.count(LaunchPoint.HEAD) == 5 and points.count(LaunchPoint.TAIL) == 5
+    assert len(d.violations) == 20 and d.canary.totals.violations == 20
+    inc = d.canary.incidents
+    assert inc.num_incidents == 2 and inc.redetections == 18
+    assert sorted(i.slot for i in inc.history) == sorted([slots[4], slots[5]])
+    assert [i.detections for i in inc.history] == [10, 10] and {i.point for i in inc.history} == {LaunchPoint.HEAD}
+
+
+def _request(outputs: list[tuple[int, int]]) -> Request:
+    req = Request(7, [1, 2, 3], 10)
+    for step, token in outputs:
+        req.output_ids.append(token)
+        req.output_steps.append(step)
+    return req
+
+
+def test_delivery_counts_the_delivered_tokens_a_late_recovery_drops():
+    """Five outputs sampled at steps 0..4 and delivered (no lag); a recovery from step 2 drops
+    three delivered tokens: ``retracted`` is 3, then 3 + 1 after a second drop from step 1; a
+    drop of undelivered outputs retracts nothing."""
+    d = Delivery(lag=0)
+    req = _request([(s, 100 + s) for s in range(5)])
+    d.sampled(req, step=4)
+    d.advance(4)
+    assert d.count(7) == 5 and [x.token for x in d.log] == [100, 101, 102, 103, 104]
+    assert req.drop_outputs_since(2) == 3
+    d.dropped(req)
+    assert d.retracted == 3 and d.count(7) == 2
+    req.drop_outputs_since(1)
+    d.dropped(req)
+    assert d.retracted == 4 and d.count(7) == 1
+    late = Delivery(lag=1)  # a step's outputs wait for its report: the last step's are not out yet
+    req = _request([(s, 100 + s) for s in range(5)])
+    late.sampled(req, step=4)
+    late.advance(4)
+    assert late.count(7) == 4 and not late.is_delivered(req, 4) and late.is_delivered(req, 3)
+    req.drop_outputs_since(4)
+    late.dropped(req)
+    assert late.retracted == 0
+    req.drop_outputs_since(2)
+    late.dropped(req)
+    assert late.retracted == 2
+
+
+def test_an_engine_recovery_from_an_old_step_retracts_what_it_delivered_since():
+    """The engine delivered each token at its step (no canary, no lag); a recompute told to start
+    three steps back drops those three delivered tokens of the running request: retracted == 3,
+    and the request re-prefills and finishes with its full output."""
+    engine = make_engine(chunk_size=64)
+    prompt = random_prompts(seed=31, num=1, min_len=6, max_len=6)[0]
+    rid = engine.add_request(prompt, 8)
+    for _ in range(6):
+        engine.step()
+    req = engine.requests[rid]
+    assert len(req.output_ids) == 6 and engine.delivery.count(rid) == 6
+    since = req.output_steps[3]
+    assert engine.recompute([rid], [], since_step=since) == [rid]
+    assert engine.delivery.retracted == 3 and len(req.output_ids) == 3
+    engine.run_until_done()
+    assert len(engine.output_ids(rid)) == 8
