@@ -174,3 +174,20 @@ def test_a_write_into_exactly_one_held_slot(backend, counted, target):
 def test_two_writes_into_one_slot_name_the_first_writer(backend):
     w = World(backend)
     assert w.decode(a_slot=FREE, b_slot=FREE) == [row(HEAD, FREE, 2, 23, -1, 2, 1, Reason.WRITE_CONFLICT)]
+
+
+@BACKEND
+@pytest.mark.parametrize("stamp", [True, False], ids=["head", "tail"])
+def test_a_window_reads_its_last_positions_linked_to_the_one_before(backend, stamp):
+    """A sliding window of 2: request 1 (prefix 3) checks positions 1 and 2, position 1 against
+    its predecessor at position 0 (outside the window, not itself checked); request 2 (prefix 2)
+    checks both. Damage at position 0 shows only through position 1's link."""
+    tag = HEAD if stamp else TAIL
+    w = World(backend)
+    assert w.decode(stamp=stamp, window=2) == []
+    assert w.stat(tag, STAT_CHECKED) == 4
+    bad = CA[0] ^ (1 << 9)
+    record_words(w.state.records)[SLOTS_A[0], 2] = bad
+    assert w.decode(stamp=stamp, window=2) == [
+        row(tag, LAST, 1, A[1], -1, CA[1], to_signed(bad + link(A[0], 0)), Reason.CHAIN)]
+    assert w.stat(tag, STAT_CHECKED) == 8
