@@ -48,7 +48,13 @@ def test_a_damaged_record_read_at_head_and_tail_for_five_steps_is_one_incident()
     d.decode(5)
     points = [v.point for v in d.violations if v.slot == slots[4]]
     assert points.count(LaunchPoint.HEAD) == 5 and points.count(LaunchPoint.TAIL) == 5
-    assert len(d.violations) == 20 and d.canary.totals.violations == 20
+    totals = d.canary.totals
+    assert len(d.violations) == 20 and totals.violations == 20
+    assert totals.by_launch_point == {"HEAD": 10, "TAIL": 10} and totals.by_reason == {"chain": 20}
+    counters = d.canary.counters()  # the prefill and 5 decodes: a HEAD and a TAIL each
+    assert [counters[p]["launches"] for p in ("HEAD", "TAIL", "SWEEP")] == [6, 6, 0]
+    # HEAD and TAIL each check the prefix: 0 at the prefill, then 8, 9, ..., 12; HEAD stamps 8 + 5
+    assert [counters[p]["checked"] for p in ("HEAD", "TAIL")] == [50, 50] and counters["HEAD"]["stamped"] == 13
     inc = d.canary.incidents
     assert inc.num_incidents == 2 and inc.redetections == 18
     assert sorted(i.slot for i in inc.history) == sorted([slots[4], slots[5]])
