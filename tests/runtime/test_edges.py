@@ -113,3 +113,22 @@ def test_an_engine_recovery_from_an_old_step_retracts_what_it_delivered_since():
     assert engine.delivery.retracted == 3 and len(req.output_ids) == 3
     engine.run_until_done()
     assert len(engine.output_ids(rid)) == 8
+
+
+def test_a_real_requests_token_written_to_slot_0_is_a_bad_entry_at_head_on_the_default_path():
+    """The default path of a CPU Canary (the compiled kernels where numba serves): a decode token
+    written to the padding slot 0 is one BAD_ENTRY at HEAD naming slot 0, the position and the
+    request; the same decode into a free slot (the twin) reports nothing."""
+    from kvcanary.ops import _cpu
+
+    slots = (torch.randperm(NUM_SLOTS - 1, generator=torch.Generator().manual_seed(8))[:20] + 1).tolist()
+    twin = Decoder(seed=6)
+    assert twin.canary.backend.value == ("numba" if _cpu.usable() else "torch")
+    twin.start(slots)
+    twin.decode(1)
+    assert twin.violations == []
+    d = Decoder(seed=6)
+    d.start(slots[:8] + [0] + slots[9:])
+    d.decode(1)
+    assert [(v.point, v.reasons, v.slot, v.position, v.requests) for v in d.violations] == [
+        (LaunchPoint.HEAD, Reason.BAD_ENTRY, 0, 8, ("req",))]
