@@ -191,3 +191,14 @@ def test_a_window_reads_its_last_positions_linked_to_the_one_before(backend, sta
     assert w.decode(stamp=stamp, window=2) == [
         row(tag, LAST, 1, A[1], -1, CA[1], to_signed(bad + link(A[0], 0)), Reason.CHAIN)]
     assert w.stat(tag, STAT_CHECKED) == 8
+
+
+@BACKEND
+def test_a_write_that_does_not_follow_its_seeds_position_names_the_seeds_successor(backend):
+    """Request 1's last prefix record (its seed) claims position 1 instead of 2: the prefix check
+    names it (POSITION), and the decode write at position 3 is a WRITE_POSITION row expecting the
+    seed's position + 1 = 2."""
+    w = World(backend)
+    record_words(w.state.records)[SLOTS_A[2], 1] = 1
+    assert w.decode() == sorted([row(HEAD, SLOTS_A[2], 1, A[2], -1, 1, 2, Reason.POSITION),
+                                 row(HEAD, FREE, 3, 14, 14, 3, 2, Reason.WRITE_POSITION)])
