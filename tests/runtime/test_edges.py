@@ -4,6 +4,7 @@ already sent counts exactly those tokens as retracted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tests.engine._helpers import make_engine, random_prompts
 
@@ -132,3 +133,22 @@ def test_a_real_requests_token_written_to_slot_0_is_a_bad_entry_at_head_on_the_d
     d.decode(1)
     assert [(v.point, v.reasons, v.slot, v.position, v.requests) for v in d.violations] == [
         (LaunchPoint.HEAD, Reason.BAD_ENTRY, 0, 8, ("req",))]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("how", ["recompute", "fail"])
+def test_quarantine_starts_at_the_first_real_page_and_counts_its_slots(how, page_size):
+    """``Engine.recompute`` and ``Engine.fail`` take bad slots in [0, num_slots): slots of the
+    reserved page 0 are accepted and quarantine nothing; the first real slot (``page_size``)
+    quarantines its page (``page_size`` slots counted); a slot outside the pool raises naming
+    ``bad_slots`` before anything changes."""
+    engine = make_engine(chunk_size=64, page_size=page_size)
+    act = (lambda bad: engine.recompute([], bad)) if how == "recompute" else (lambda bad: engine.fail([], bad, 0))
+    assert act(list(range(page_size))) == [] and engine.stats.num_quarantined_slots == 0
+    for wild in ([-1], [engine.config.num_slots]):
+        with pytest.raises(ValueError, match="bad_slots"):
+            act(wild)
+    assert engine.stats.num_quarantined_slots == 0
+    act([page_size])
+    assert engine.stats.num_quarantined_slots == page_size
+    engine.check_integrity()
