@@ -152,3 +152,23 @@ def test_quarantine_starts_at_the_first_real_page_and_counts_its_slots(how, page
     act([page_size])
     assert engine.stats.num_quarantined_slots == page_size
     engine.check_integrity()
+
+
+def test_a_flush_kept_by_a_server_keeps_only_a_report_that_found_something():
+    """``CanaryHooks.flush(step, keep=True)`` (a server that goes on stepping): a clean report is
+    not kept; a report with a violation is, once."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engine.canary_hooks import attach_canary
+
+    engine, hooks = attach_canary(lambda h: make_engine(hooks=h, chunk_size=64), CanaryConfig(sweep_interval=0))
+    rid = engine.add_request(random_prompts(seed=32, num=1, min_len=6, max_len=6)[0], 4)
+    for _ in range(3):
+        engine.step()
+    assert hooks.flush(engine.step_index, keep=True).violations == [] and hooks.reports == []
+    slot = int(engine.requests[rid].slots[2])
+    record_words(hooks.canary.state.records)[slot, 2] ^= 1
+    engine.step()
+    found = len(hooks.reports)
+    assert found == 1 and len(hooks.reports[0].violations) == 4  # the slot and its successor, at HEAD and TAIL
+    hooks.flush(engine.step_index, keep=True)
+    assert len(hooks.reports) == found
