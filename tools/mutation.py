@@ -66,7 +66,8 @@ TARGETS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
     "src/kvcanary/engine/engine.py": (6, ("recompute", "fail", "apply_recovery"), ENGINE_TESTS),
     "src/kvcanary/engine/canary_hooks.py": (4, ("after_forward", "_handle", "_fail", "flush"),
                                             (*ENGINE_TESTS, "tests/runtime/test_sweep_prefetch_engine.py")),
-    "src/kvcanary/engine/scheduler.py": (3, ("retract", "postprocess"), (*ENGINE_TESTS, "tests/engine/test_schedules.py")),
+    "src/kvcanary/engine/scheduler.py": (3, ("retract", "postprocess"),
+                                         (*ENGINE_TESTS, "tests/engine/test_schedules.py")),
 }
 # the bugs the suite once let through, planted as they were: (file, text, its replacement, what)
 CURATED = (
