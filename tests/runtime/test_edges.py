@@ -34,6 +34,20 @@ def test_one_slot_found_at_two_launch_points_is_one_incident():
     assert t.by_label == {("chain", "HEAD", "FULL"): 1, ("chain", "TAIL", "FULL"): 1}
 
 
+def test_bad_entries_naming_slot_0_are_one_incident_per_position_and_request():
+    """A page-table entry 0 inside a request names no slot: its violations are keyed by position
+    and requests too, so two such entries are two incidents, and the same one read again (at
+    another launch point) is a re-detection."""
+    t = IncidentTracker()
+
+    def bad(step, point, position, request):
+        return Violation(step, LaunchTag(point), Reason.BAD_ENTRY, 0, position, -1, -1, 1, 0, ((request, position),))
+
+    t.observe([bad(2, LaunchPoint.HEAD, 3, "a"), bad(2, LaunchPoint.HEAD, 4, "a"), bad(2, LaunchPoint.HEAD, 3, "b"),
+               bad(2, LaunchPoint.TAIL, 3, "a")], upto_step=2)
+    assert t.num_incidents == 3 and t.redetections == 1
+
+
 def test_a_damaged_record_read_at_head_and_tail_for_five_steps_is_one_incident():
     """A prefix slot's chain word flipped: HEAD and TAIL of each of 5 decode steps report it and
     its successor (whose link to it breaks): 20 violations, one incident per slot, each detected
