@@ -186,3 +186,28 @@ def test_a_flush_kept_by_a_server_keeps_only_a_report_that_found_something():
     assert found == 1 and len(hooks.reports[0].violations) == 4  # the slot and its successor, at HEAD and TAIL
     hooks.flush(engine.step_index, keep=True)
     assert len(hooks.reports) == found
+
+
+def test_accepted_drafts_deliver_the_oracles_tokens_in_fewer_steps_with_a_clean_canary():
+    """Speculative drafts under the oracle sampler (every draft is accepted): each request gets
+    the oracle's tokens, in fewer steps than without drafts, and the canary (truth on) finds
+    nothing: the accepted tokens' positions and slots are accounted right."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engine import SamplerKind
+    from kvcanary.engine.canary_hooks import attach_canary
+    from kvcanary.engine.sampler import oracle_token
+
+    prompts = random_prompts(seed=33, num=3, min_len=5, max_len=9)
+    steps = {}
+    for drafts in (0, 3):
+        engine, hooks = attach_canary(lambda h, d=drafts: make_engine(hooks=h, sampler=SamplerKind.ORACLE,
+                                                                      num_draft_tokens=d, chunk_size=64),
+                                      CanaryConfig(sweep_interval=0))
+        ids = [engine.add_request(p, 9) for p in prompts]
+        steps[drafts] = engine.run_until_done()
+        hooks.flush(engine.step_index)
+        assert hooks.reports == [] and hooks.canary.totals.violations == 0
+        for rid, p in zip(ids, prompts, strict=True):
+            assert engine.output_ids(rid) == [oracle_token(rid, len(p) + i, 256) for i in range(9)]
+        engine.check_integrity()
+    assert steps[3] < steps[0]
