@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 from kvcanary.core.hashing import ANCHOR, GOLDEN, MASK64, link, splitmix64, to_signed
 from kvcanary.core.record import Reason
-from kvcanary.ops.fingerprint import FP_SEED, PARTIAL_BYTES, FingerprintMode, KVSource
+from kvcanary.ops.fingerprint import FingerprintMode, KVSource
 
 Row = list[int]
+# the oracle's own constants (not imported from the ops, so a changed one there is seen here)
+FP_SEED = 0x66696E6765727072  # "fingerpr"
+PARTIAL_BYTES = 16  # partial mode: the first 16 bytes of each source row (DESIGN.md)
 
 
 def to_int32(x: int) -> int:

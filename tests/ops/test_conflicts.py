@@ -133,6 +133,15 @@ def test_named_conflicts(backend):
     # B writes a slot the prefix cache holds idle: the reader is row 0 (the cache)
     assert run_backend(fixed_batch([10, 11, 12, 14], held=[14, 15]), backend) == [
         [HEAD, 14, 2, 74, -1, 2, 0, int(Reason.READ_CONFLICT)]]
+    # exactly one held slot, the pool's last (slot 15 of 16), written: the same row; held but not written: none
+    assert run_backend(fixed_batch([10, 11, 12, 15], held=[15]), backend) == [
+        [HEAD, 15, 2, 74, -1, 2, 0, int(Reason.READ_CONFLICT)]]
+    assert run_backend(fixed_batch([10, 11, 12, 14], held=[15]), backend) == []
+    # a plan entry past the plan's count (a stale one) reads nothing: writing its slot is no conflict
+    stale = fixed_batch([10, 11, 12, 13])
+    count = int(stale["plan"].count[0])
+    stale["plan"].slot[count], stale["plan"].row[count] = 12, 1
+    assert run_backend(stale, backend) == []
     # slot 0 and out-of-pool targets are no conflicts (stamp names them as bad entries)
     assert run_backend(fixed_batch([0, 0, 99, 99]), backend) == []
 

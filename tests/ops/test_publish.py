@@ -72,3 +72,39 @@ def test_bound_launch_matches_reference(seed, width, num_rows, calls, start):
         torch.cuda.synchronize()
     assert_same("rows [bound]", host, want_rows)
     assert int(counter[0]) == want_seq
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON, reason="observes the kernel's stores under the "
+                    "Triton interpreter (no CUDA)")
+@pytest.mark.parametrize("bound", [False, True], ids=["launch", "bound"])
+def test_the_kernel_stores_the_sequence_word_after_every_block_word(bound, monkeypatch):
+    """A host that reads ``rows[k, 0] == s`` takes the row as publication ``s``, so the kernel must
+    store every block word before the sequence word (on CUDA with a fence between). Under the
+    interpreter each ``tl.store`` runs in program order: every store's addresses are recorded."""
+    from triton.runtime import interpreter
+
+    stores: list[set[int]] = []
+    store = interpreter.interpreter_builder.create_masked_store
+
+    def recording(ptrs, value, mask, cache_policy):
+        stores.append({int(a) for a in ptrs.data[mask.data.astype(bool)].reshape(-1).tolist()})
+        return store(ptrs, value, mask, cache_policy)
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "create_masked_store", recording)
+    width, num_rows, start = 5, 3, 7
+    block = torch.arange(11, 11 + width, dtype=torch.int64)
+    rows = torch.full((num_rows, width + 1), -1, dtype=torch.int64)
+    seq = torch.tensor([start], dtype=torch.int64)
+    if bound:
+        BoundPublish(block, seq, rows)()
+    else:
+        publish_counters(block, seq, rows, triton_path=True)
+    k = (start + 1) % num_rows
+    assert rows[k].tolist() == [start + 1, *block.tolist()] and int(seq[0]) == start + 1
+    seq_word = rows[k].data_ptr()
+    block_words = {seq_word + 8 * (1 + i) for i in range(width)}
+    order = [i for i, addresses in enumerate(stores) if seq_word in addresses]
+    assert len(order) == 1, f"the sequence word was stored {len(order)} times"
+    last_block = max(i for i, addresses in enumerate(stores) if addresses & block_words)
+    assert set().union(*stores[: order[0]]) >= block_words, "a block word was stored after the sequence word"
+    assert last_block < order[0]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvcanary.config import Policy
+from kvcanary.core.record import LaunchPoint, LaunchTag, Reason
 from kvcanary.errors import CanaryViolation
-from kvcanary.runtime.policy import Recovery, WatchdogTimeout, acts, decide, merge_recoveries
+from kvcanary.runtime.policy import Recovery, WatchdogTimeout, acts, decide, merge_recoveries, recovery_of
+from kvcanary.runtime.reporting import Violation
 
 
 def _decide(policy, alarm=None, damage=None, violations=("v",)):
@@ -50,3 +52,16 @@ def test_one_merge_of_recovery_sets():
     assert merge_recoveries(None, a) is a  # one alone, as it is
     assert merge_recoveries(a, None, b) == Recovery((5, 2, 8), (1, 4, 9), 10)
     assert merge_recoveries(b, a) == Recovery((2, 8, 5), (1, 4, 9), 10)
+
+
+def test_a_recovery_quarantines_only_real_slots_its_violations_found_damaged():
+    """Every request the violations name, in order, each once; the slots to quarantine: those
+    > 0 that are not BAD_ENTRY targets (a bad entry names a page-table value, not a damaged
+    slot; slot 0 is the reserved padding slot, never quarantined), sorted; the earliest step."""
+    def v(step, slot, reasons, requests):
+        return Violation(step, LaunchTag(LaunchPoint.HEAD), reasons, slot, 3, 1, 1, 0, 0,
+                         tuple((r, 3) for r in requests))
+
+    found = [v(9, 7, Reason.CHAIN, (4,)), v(8, 0, Reason.WRITE_TOKEN, (2, 4)), v(9, 5, Reason.BAD_ENTRY, (6,)),
+             v(10, -1, Reason.BAD_ENTRY | Reason.VERIFY_TOKEN, (2,)), v(9, 3, Reason.FINGERPRINT, ())]
+    assert recovery_of(found) == Recovery((4, 2, 6), (3, 7), 8)
