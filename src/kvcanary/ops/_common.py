@@ -11,6 +11,7 @@ is installed and imports.
 from __future__ import annotations
 
 import enum
+import operator
 
 import torch
 
@@ -139,6 +140,67 @@ def check_programs(max_programs) -> None:
     """A persistent grid's program cap: an int in [1, 65535]."""
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= 65535:
         raise InputError(f"max_programs {max_programs!r} out of range [1, 65535]")
+
+
+_ADDRESS, _SHAPE, _STRIDE = torch.Tensor.data_ptr, operator.attrgetter("shape"), torch.Tensor.stride
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), torch.Tensor.get_device
+
+
+def layout_key(tensors: tuple) -> tuple:
+    """What a kernel indexes of each tensor, as one flat tuple: addresses, shapes, strides, dtypes
+    and devices (``get_device``: -1 on the CPU). A buffer checked once and bound keeps its key
+    while it is the buffer checked: a resize, a restride at the same address, a swap of two
+    fields, another dtype or device (``resize_``, ``set_``, ``as_strided_``, ``.data =``) all
+    change it. Maps, not a generator: bound launches compare one at every call, where each
+    Python frame costs microseconds."""
+    return (*map(_ADDRESS, tensors), *map(_SHAPE, tensors), *map(_STRIDE, tensors), *map(_DTYPE, tensors),
+            *map(_DEVICE, tensors))
+
+
+def changed_buffers(names: tuple, tensors: tuple, key: tuple) -> str:
+    """The names of the tensors whose layout differs from ``key`` (``layout_key`` of tensors of
+    the same count), with what each was and is now: the message of a per-call check that failed."""
+    n, now, parts = len(tensors), layout_key(tensors), []
+    for i, name in enumerate(names):
+        was_i, now_i = key[i::n], now[i::n]
+        if was_i != now_i:
+            moved = ", moved to another address" if was_i[0] != now_i[0] else ""
+            parts.append(f"{name} {_show(was_i)} -> {_show(now_i)}{moved}")
+    return "; ".join(parts) or "none"
+
+
+def _show(values: tuple) -> str:
+    _, shape, stride, dtype, dev = values
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} strides {stride} on {'cpu' if dev < 0 else dev}"
+
+
+def check_aligned(name: str, t: torch.Tensor, align: int, what: str) -> None:
+    """A buffer a kernel reads as ``align``-byte words starts on such a word."""
+    if t.data_ptr() % align:
+        raise InputError(f"{name} starts {t.data_ptr() % align} bytes past a {align}-byte boundary ({what}); "
+                         "pass the buffer itself or a view at a multiple of its word size")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` reaches, [first, last)."""
+    start = t.data_ptr()
+    reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return start, start + (reach + 1) * t.element_size()
+
+
+def check_no_alias(name: str, out: torch.Tensor, inputs: dict) -> None:
+    """An op's output shares no byte with its inputs (``inputs``: name -> tensor or None): the
+    backends read and write in different orders, so an output over an input would give each its
+    own result (and overwrite the input)."""
+    if not out.numel():
+        return
+    lo, hi = _span(out)
+    for other, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
+            a, b = _span(t)
+            if a < hi and lo < b:
+                raise InputError(f"{name} shares memory with {other}; pass a separate {name} buffer "
+                                 f"(or none: the op allocates one)")
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops import _cpu_scatter as _ks
-from kvcanary.ops._common import Backend
+from kvcanary.ops._common import Backend, changed_buffers, layout_key
 from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
 
 log = logging.getLogger("kvcanary")
@@ -269,11 +269,32 @@ class BoundForward:
         self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
+        # the tensors behind the views above, with their layout now: ``check_bound`` at every call
+        named = dict(zip(("state.records", "state.ring", "state.ring_counter", "state.stats", "state.error",
+                          "state.source_tags"), (state.records, state.ring, state.ring_counter, state.stats,
+                                                 state.error, state.source_tags), strict=True))
+        named.update({f"sources[{i}].words": src.words for i, src in enumerate(sources)})
+        named.update({"meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens})
+        named = {k: v for k, v in named.items() if v is not None}
+        self.names, self.tensors = tuple(named), tuple(named.values())
+        self.key = layout_key(self.tensors)
+
+    def check_bound(self, tag: int = 0) -> None:
+        """The per-call check: the bound tensors as they were bound (the views read their memory;
+        ``layout_key``: one tuple compare), and the tag a plain int in range (the kernels index the
+        stats by it). Raises InputError naming the changed buffer or the tag."""
+        if layout_key(self.tensors) != self.key:
+            raise InputError("buffers bound to this BoundForward were resized or replaced since it was built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(self.names, self.tensors, self.key)}; bind it again")
+        if type(tag) is not int or not 0 <= tag < NUM_LAUNCH_TAGS:
+            raise InputError(f"tag {tag!r} must be an int in [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
 
     def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray, starts: np.ndarray | None = None
                 ) -> bool:
         """Token truth of the batch into the truth table and each request's length into the lengths
         (``starts``: appends, each from its column on)."""
+        self.check_bound()
         try:
             return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True,
                                  _DUMMY_I64_1 if starts is None else starts, starts is not None) == 0
@@ -286,6 +307,7 @@ class BoundForward:
         against the truth table; ``scatter``: the forward's (truth ids, offsets, starts or None),
         scattered into the truth table and lengths first, in the same call (with starts: appends,
         each from its column on); ``held``: int64 numpy slots or None."""
+        self.check_bound(tag)
         rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         flat, offsets, starts = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1, None)
@@ -306,6 +328,7 @@ class BoundForward:
         """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most
         ``capacity`` of them, fingerprints included; False (nothing written) where they do not fit
         that plan."""
+        self.check_bound(tag)
         n = len(slot)
         if n > self.capacity:
             return False

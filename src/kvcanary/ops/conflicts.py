@@ -46,10 +46,12 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    changed_buffers,
     check_contiguous,
     check_len,
     check_same_device,
     check_tensor,
+    layout_key,
     num_bits,
     searchsorted_right,
     tl,
@@ -83,6 +85,15 @@ class WriteMarks:
         if self.epoch.shape[0] != 1 or self.epoch.device != self.words.device:
             raise InputError(f"WriteMarks.epoch must be int64[1] on {self.words.device}, got shape "
                              f"{tuple(self.epoch.shape)} on {self.epoch.device}; use WriteMarks.allocate")
+        object.__setattr__(self, "_key", layout_key((self.words, self.epoch)))
+
+    def check(self) -> None:
+        """The per-call check: ``words`` and ``epoch`` as validated at construction (``layout_key``)."""
+        if layout_key((self.words, self.epoch)) != self._key:
+            raise InputError(f"WriteMarks buffers were resized or replaced since they were built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(('marks.words', 'marks.epoch'), (self.words, self.epoch), self._key)}"
+                             "; use WriteMarks.allocate")
 
     @classmethod
     def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> WriteMarks:
@@ -106,6 +117,7 @@ def validate_marks(marks, held, num_slots: int, device: torch.device) -> None:
         if not isinstance(marks, WriteMarks):
             raise InputTypeError(f"marks must be a WriteMarks (WriteMarks.allocate(num_slots)), got "
                                  f"{type(marks).__name__}")
+        marks.check()
         if marks.num_slots != num_slots or marks.words.device != device:
             raise InputError(f"marks cover {marks.num_slots} slots on {marks.words.device} but the state has "
                              f"{num_slots} on {device}; allocate them with WriteMarks.allocate(num_slots, device)")

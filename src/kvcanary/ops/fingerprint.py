@@ -44,6 +44,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_len,
+    check_no_alias,
     check_same_device,
     check_tensor,
     tl,
@@ -224,6 +225,8 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
     sources, mode, meta = kv.list(), kv.mode, kv.meta
     for name, t in (("slots", slots), ("out", out)):
         check_contiguous(name, t)
+    check_no_alias("out", out, {"slots": slots, "state.records": canary, "state.source_tags": state.source_tags,
+                                **{f"sources[{i}].words": src.words for i, src in enumerate(sources)}})
     n, num_slots = slots.shape[0], canary.shape[0]
     ok = None
     tags = None

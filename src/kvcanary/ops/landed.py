@@ -46,6 +46,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_len,
+    check_no_alias,
     check_same_device,
     check_tensor,
     tl,
@@ -234,6 +235,8 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
     InputTypeError / InputError for wrong dtypes, shapes, devices, sources or meta, before anything
     is written."""
     device = validate_landed(state, out_cache_loc, sources, lut, {})
+    if not isinstance(mode, FingerprintMode):
+        raise InputTypeError(f"mode must be a FingerprintMode, got {type(mode).__name__} {mode!r}")
     meta = validate_meta(meta, list(sources), mode, device)
     for name, t in (("out_cache_loc", out_cache_loc), ("lut", lut)):
         if t is not None:
@@ -265,6 +268,10 @@ def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, inpu
     check_tensor("out", out, torch.bool, 1)
     check_len("out", out, n, "len(out_cache_loc)")
     check_same_device(records=state.records, out=out)
+    check_no_alias("out", out, {"out_cache_loc": out_cache_loc, "input_ids": input_ids, "positions": positions,
+                                "lut": lut, "state.records": state.records, "state.ring": state.ring,
+                                "state.ring_counter": state.ring_counter,
+                                **{f"sources[{i}].words": src.words for i, src in enumerate(sources)}})
     for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
                     ("lut", lut), ("out", out)):
         if t is not None:

@@ -36,6 +36,8 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    changed_buffers,
+    check_aligned,
     check_buffers,
     check_contiguous,
     check_count,
@@ -45,6 +47,7 @@ from kvcanary.ops._common import (
     check_table,
     check_tensor,
     is_host,
+    layout_key,
     num_bits,
     searchsorted_right,
     tl,
@@ -82,6 +85,24 @@ class Plan:
                                              enable=1, overflow=1, verify_offsets=max_bs + 1,
                                              write_offsets=max_bs + 1),
                       f"capacity {cap}, max_bs {max_bs}")
+        for name, _ in _PLAN_FIELDS:
+            t = getattr(self, name)
+            check_aligned(f"Plan.{name}", t, t.element_size(), "the kernels read whole words")
+        object.__setattr__(self, "_key", layout_key(self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The twelve buffers, in field order."""
+        return tuple(getattr(self, name) for name, _ in _PLAN_FIELDS)
+
+    def check(self) -> None:
+        """The per-call check: the buffers validated at construction, unchanged (``layout_key``:
+        addresses, shapes, strides, dtypes, devices); a resized ``enable`` or ``overflow``, two
+        swapped fields or a restrided column are refused before a kernel indexes them."""
+        tensors = self.tensors()
+        if layout_key(tensors) != self._key:
+            raise InputError(f"plan buffers were resized or replaced since the Plan was built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(_PLAN_NAMES, tensors, self._key)}; use Plan.allocate")
 
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
@@ -120,18 +141,16 @@ _PLAN_FIELDS = (("slot", torch.int32), ("pred", torch.int32), ("position", torch
                 ("count", torch.int64), ("enable", torch.int32), ("overflow", torch.int64),
                 ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64),
                 ("entry", torch.int32), ("row", torch.int32))
+_PLAN_NAMES = tuple(f"plan.{name}" for name, _ in _PLAN_FIELDS)
 
 
 def validate_plan_buffers(plan, device: torch.device) -> None:
     """A Plan (validated when built) on ``device`` whose buffers still have their shapes."""
     if not isinstance(plan, Plan):
         raise InputTypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
+    plan.check()
     if plan.slot.device != device:
         raise InputError(f"plan is on {plan.slot.device} but the state is on {device}")
-    cap = plan.capacity
-    if any(getattr(plan, n).shape[0] != cap for n in ("pred", "position", "token", "entry", "row")) \
-            or plan.count.shape[0] != 1:
-        raise InputError("plan buffers were resized since the Plan was built; use Plan.allocate")
 
 
 def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
