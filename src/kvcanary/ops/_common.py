@@ -97,6 +97,17 @@ def vector_ok(t, length: int, index: int) -> bool:
             and t.get_device() == index and t.is_contiguous())
 
 
+def check_lut(lut) -> None:
+    """A sliding-window pool's slot table, where given: a non-empty contiguous int64[n] (the
+    kernels read ``lut[slot]`` for slots in [0, n) as one run of memory)."""
+    if lut is None:
+        return
+    check_tensor("lut", lut, torch.int64, 1)
+    if lut.shape[0] < 1:
+        raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_contiguous("lut", lut)
+
+
 def check_table(name: str, t: torch.Tensor) -> None:
     """A 2-D table the kernels index as ``ptr + row * stride(0) + col``: at least one row (row 0
     is padding) and one column, unit column stride, rows that do not overlap."""

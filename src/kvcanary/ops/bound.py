@@ -85,25 +85,34 @@ _ADDRESS = torch.Tensor.data_ptr
 
 
 class Bound:
-    """The buffers a bound launch holds beside its state's own (workspace, write marks, KV words,
-    their table, truth table, publication), by name, with their ``layout_key`` taken when it was
-    built; ``check`` at every call is one tuple compare (the state checks its own). The kernel
+    """The buffers a bound launch holds beside its state's own (KV words, their table, truth
+    table, publication), by name, with their ``layout_key`` taken when it was built, and the
+    bound sources' geometry; ``check`` at every call is a few tuple compares (the state, the
+    workspace and the write marks check their own fields, a swap of two included). The kernel
     gets these very tensors, so one whose shape, strides, dtype, device or address changed since
     is refused before a launch indexes it."""
 
-    __slots__ = ("names", "tensors", "key", "owner", "_tags", "state")
+    __slots__ = ("names", "tensors", "key", "owner", "_tags", "state", "sources", "geometry", "parts")
 
-    def __init__(self, owner: str, state: DeviceState, named: dict):
+    def __init__(self, owner: str, state: DeviceState, named: dict, sources=(), parts=()):
         named = {k: v for k, v in named.items() if v is not None}
         self.owner, self.state = owner, state
         self.names, self.tensors = tuple(named), tuple(named.values())
         self.key = layout_key(self.tensors)
+        self.sources = tuple(sources)
+        self.geometry = tuple(map(_GEOMETRY, self.sources))
+        self.parts = tuple(p for p in parts if p is not None)  # objects checking their own fields (a swap too)
         self._tags: set[int] = set()
 
     def check(self) -> None:
-        """The state's buffers and the bound ones as they were bound; raises InputError naming
-        the changed ones."""
+        """The state's buffers, the bound ones and the bound sources' geometry as they were bound;
+        raises InputError naming the changed ones."""
         self.state.check()
+        for part in self.parts:
+            part.check()
+        if tuple(map(_GEOMETRY, self.sources)) != self.geometry:
+            for i, src in enumerate(self.sources):
+                src.check(f"sources[{i}] bound to this {self.owner}")
         if layout_key(self.tensors) != self.key:
             raise InputError(f"buffers bound to this {self.owner} were resized or replaced since it was built "
                              f"(their shape, strides, dtype, device or address changed): "
@@ -119,6 +128,9 @@ class Bound:
         if type(tag) is int:
             self._tags.add(plain)
         return plain
+
+
+_GEOMETRY = operator.attrgetter("num_slots", "bytes_per_token", "page_size", "page_stride_bytes", "half")
 
 
 def _source_buffers(sources, meta) -> dict:
@@ -201,12 +213,9 @@ class BoundCheck:
         self.max_bs, self.max_tokens = workspace.max_bs, workspace.max_tokens
         self.index = device.index if device.type == "cuda" else -1  # Tensor.get_device() of the state's tensors
         self._bound = Bound("BoundCheck", state, {
-            **{f"workspace.{n}": t for n, t in zip(("sync", "write_offsets", "seed", "block_sum", "block_flag"),
-                                                    workspace.tensors(), strict=True)},
-            "marks.words": marks.words if marks is not None else None,
-            "marks.epoch": marks.epoch if marks is not None else None,
             **_source_buffers(sources, meta), "truth": truth, "truth_lens": truth_lens,
-            **dict(zip(("publication seq", "publication rows"), publication or (), strict=False))})
+            **dict(zip(("publication seq", "publication rows"), publication or (), strict=False))}, sources,
+            (workspace, marks))
         self._launch = CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins,
                                     publication)
         self.memo = memo if memo is not None else BatchMemo()
@@ -369,7 +378,7 @@ class BoundMarks:
         self.words = source_words(sources, self.meta)
         self.constexprs = {lut: dict(HAS_LUT=lut, NUM_SOURCES=len(sources), BLOCK=MARK_BLOCK) for lut in (False, True)}
         self.index = state.device.index if state.device.type == "cuda" else -1
-        self._bound = Bound("BoundMarks", state, _source_buffers(sources, self.meta))
+        self._bound = Bound("BoundMarks", state, _source_buffers(sources, self.meta), sources)
 
     def __call__(self, out_cache_loc: torch.Tensor, lut: torch.Tensor | None = None) -> bool:
         state, index = self.state, self.index
@@ -399,7 +408,7 @@ class BoundVerify:
         sources, mode, meta = kv.list(), kv.mode, kv.meta
         check_programs(max_programs)
         self.state, self.plan = state, plan
-        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta))
+        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta), sources)
         self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
 
     def __call__(self, tag: int) -> None:

@@ -49,6 +49,7 @@ from kvcanary.ops._common import (
     changed_buffers,
     check_contiguous,
     check_len,
+    check_lut,
     check_same_device,
     check_tensor,
     layout_key,
@@ -156,15 +157,19 @@ def validate_writes(state, plan, out_cache_loc, input_ids, positions, req_pool_i
     for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
                     ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets)):
         check_tensor(name, t, torch.int64, 1)
-    for name, t in (("lut", lut), ("held", held)):
-        if t is not None:
-            check_tensor(name, t, torch.int64, 1)
+    check_lut(lut)
+    if held is not None:
+        check_tensor("held", held, torch.int64, 1)
     check_same_device(records=state.records, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                       req_pool_indices=req_pool_indices, write_offsets=write_offsets, lut=lut)
     n = input_ids.shape[0]
     check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
     check_len("positions", positions, n, "len(input_ids)")
     validate_offsets("write_offsets", write_offsets, req_pool_indices.shape[0], n)
+    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
+                    ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets), ("held", held)):
+        if t is not None:  # on every backend, so that both refuse what the kernel cannot read
+            check_contiguous(name, t)
     return tag
 
 
@@ -284,11 +289,6 @@ def check_writes(*, state: DeviceState, plan: Plan, out_cache_loc: torch.Tensor,
         return
     if marks is None:
         marks = WriteMarks.allocate(num_slots, device)
-    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
-                    ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets), ("lut", lut),
-                    ("held", held), ("marks.words", marks.words)):
-        if t is not None:
-            check_contiguous(name, t)
     n, bs = input_ids.shape[0], req_pool_indices.shape[0]
     n_held = held.shape[0] if held is not None else 0
     block = 1024

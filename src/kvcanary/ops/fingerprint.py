@@ -215,6 +215,8 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
     check_tensor("slots", slots, torch.int64, 1)
     if not isinstance(mode, FingerprintMode):
         raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    if type(record) is not bool:
+        raise InputTypeError(f"record must be True or False, got {type(record).__name__} {record!r}")
     if out is None and isinstance(slots, torch.Tensor):
         out = torch.empty_like(slots)
     check_tensor("out", out, torch.int64, 1)

@@ -40,12 +40,13 @@ import torch
 
 from kvcanary.core.hashing import GOLDEN, splitmix64_torch, to_signed
 from kvcanary.core.record import Reason
-from kvcanary.errors import InputError, InputTypeError
+from kvcanary.errors import InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
     check_len,
+    check_lut,
     check_no_alias,
     check_same_device,
     check_tensor,
@@ -73,10 +74,7 @@ def validate_landed(state, out_cache_loc, sources, lut, others: dict) -> torch.d
     for name, t in others.items():
         check_tensor(name, t, torch.int64, 1)
         check_len(name, t, n, "len(out_cache_loc)")
-    if lut is not None:
-        check_tensor("lut", lut, torch.int64, 1)
-        if lut.shape[0] < 1:
-            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_lut(lut)
     if not isinstance(sources, list | tuple):
         raise InputTypeError(f"sources must be a list of KVSource, got {type(sources).__name__}")
     device = check_same_device(records=state.records, out_cache_loc=out_cache_loc, lut=lut, **others)

@@ -42,6 +42,7 @@ from kvcanary.ops._common import (
     check_contiguous,
     check_count,
     check_len,
+    check_lut,
     check_programs,
     check_same_device,
     check_table,
@@ -174,10 +175,7 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
     if truth is not None:
         check_tensor("truth", truth, torch.int32, 2)
         check_tensor("truth_lens", truth_lens, torch.int64, 1)
-    if lut is not None:
-        check_tensor("lut", lut, torch.int64, 1)
-        if lut.shape[0] < 1:
-            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_lut(lut)
     check_window(window)
     device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                req_to_token=req_to_token, truth=truth, truth_lens=truth_lens, lut=lut)

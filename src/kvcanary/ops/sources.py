@@ -200,6 +200,8 @@ class SourceSet:
         more than MAX_SOURCES, or a ``meta`` that does not match them."""
         if not isinstance(mode, FingerprintMode):
             raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+        if not isinstance(sources, list | tuple):
+            raise InputTypeError(f"sources must be a list of KVSource or a SourceSet, got {type(sources).__name__}")
         kept = list(sources) if mode is not FingerprintMode.NONE else []
         device = canonical_device(device)
         validate_sources(kept, num_slots, device)
