@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import operator
 import os
 import sys
 import threading
@@ -46,8 +45,9 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops import _cpu_scatter as _ks
-from kvcanary.ops._common import Backend, changed_buffers, layout_key
+from kvcanary.ops._common import Backend, BoundBuffers
 from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
+from kvcanary.ops.state import STATE_FIELDS
 
 log = logging.getLogger("kvcanary")
 
@@ -271,27 +271,16 @@ class BoundForward:
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
         # the tensors behind the views above, with their layout now: ``check_bound`` at every call
-        self.state, self.sources = state, tuple(sources)
-        named = {f"sources[{i}].words": src.words for i, src in enumerate(sources)}
-        named.update({"meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens})
-        named = {k: v for k, v in named.items() if v is not None}
-        self.names, self.tensors = tuple(named), tuple(named.values())
-        self.key = layout_key(self.tensors)
-        self.geometry = tuple(map(_GEOMETRY, self.sources))
+        self.buffers = BoundBuffers("BoundForward", ((state, "state", STATE_FIELDS),), {
+            **{f"sources[{i}].words": src.words for i, src in enumerate(sources)},
+            "meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens}, sources)
 
     def check_bound(self, tag: int = 0) -> None:
-        """The per-call check: the state's buffers (``DeviceState.check``), the other bound
-        tensors as they were bound (the views read their memory; ``layout_key``: one tuple
-        compare), the sources' geometry, and the tag a plain int in range (the kernels index the
-        stats by it). Raises InputError naming the changed buffer or the tag."""
-        self.state.check()
-        if layout_key(self.tensors) != self.key:
-            raise InputError("buffers bound to this BoundForward were resized or replaced since it was built "
-                             "(their shape, strides, dtype, device or address changed): "
-                             f"{changed_buffers(self.names, self.tensors, self.key)}; bind it again")
-        if tuple(map(_GEOMETRY, self.sources)) != self.geometry:
-            for i, src in enumerate(self.sources):
-                src.check(f"sources[{i}] bound to this BoundForward")
+        """The per-call check: the state's buffers and the other bound tensors as they were bound
+        (the views read their memory), the sources' geometry (``BoundBuffers``: one tuple
+        compare), and the tag a plain int in range (the kernels index the stats by it). Raises
+        InputError naming the changed buffer or the tag."""
+        self.buffers.check()
         if type(tag) is not int or not 0 <= tag < NUM_LAUNCH_TAGS:
             raise InputError(f"tag {tag!r} must be an int in [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
 
@@ -353,7 +342,6 @@ class BoundForward:
 
 
 _ONE_I32 = np.ones(1, dtype=np.int32)
-_GEOMETRY = operator.attrgetter("num_slots", "bytes_per_token", "page_size", "page_stride_bytes", "half")
 
 
 def batch_arrays(rpi, prefix_lens, extend_lens, rtt, ids, pos, loc, lut) -> tuple:

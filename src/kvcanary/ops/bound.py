@@ -12,6 +12,7 @@ layout with attribute reads and returns False, launching nothing, for one the op
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -19,13 +20,12 @@ import torch
 from kvcanary.core.record import LaunchPoint
 from kvcanary.errors import InputError, InputTypeError, KVCanaryError
 from kvcanary.ops._common import (
+    BoundBuffers,
     cdiv,
-    changed_buffers,
     check_contiguous,
     check_same_device,
     check_table,
     check_tensor,
-    layout_key,
     vector_ok,
 )
 from kvcanary.ops._ring import validate_ring
@@ -39,7 +39,7 @@ from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, check_window
 from kvcanary.ops.publish import validate_publication
 from kvcanary.ops.sources import SourceSet
-from kvcanary.ops.state import DeviceState, check_state
+from kvcanary.ops.state import STATE_FIELDS, WS_FIELDS, DeviceState, check_state
 from kvcanary.ops.verify import _VerifyLaunch, check_programs, validate_verify
 
 
@@ -85,52 +85,31 @@ _ADDRESS = torch.Tensor.data_ptr
 
 
 class Bound:
-    """The buffers a bound launch holds beside its state's own (KV words, their table, truth
-    table, publication), by name, with their ``layout_key`` taken when it was built, and the
-    bound sources' geometry; ``check`` at every call is a few tuple compares (the state, the
-    workspace and the write marks check their own fields, a swap of two included). The kernel
-    gets these very tensors, so one whose shape, strides, dtype, device or address changed since
-    is refused before a launch indexes it."""
+    """A bound launch's per-call checks: its buffers (``BoundBuffers``: the state's, the
+    workspace's and the write marks' fields read again, the KV words, their table, the truth
+    table, the publication, the sources' geometry; one tuple compare) and the launch tag,
+    passed to the kernel as the plain int it names."""
 
-    __slots__ = ("names", "tensors", "key", "owner", "_tags", "state", "sources", "geometry", "parts")
+    __slots__ = ("buffers", "state", "_tags")
 
     def __init__(self, owner: str, state: DeviceState, named: dict, sources=(), parts=()):
-        named = {k: v for k, v in named.items() if v is not None}
-        self.owner, self.state = owner, state
-        self.names, self.tensors = tuple(named), tuple(named.values())
-        self.key = layout_key(self.tensors)
-        self.sources = tuple(sources)
-        self.geometry = tuple(map(_GEOMETRY, self.sources))
-        self.parts = tuple(p for p in parts if p is not None)  # objects checking their own fields (a swap too)
+        self.state = state
+        self.buffers = BoundBuffers(owner, ((state, "state", STATE_FIELDS), *parts), named, sources)
         self._tags: set[int] = set()
 
     def check(self) -> None:
-        """The state's buffers, the bound ones and the bound sources' geometry as they were bound;
-        raises InputError naming the changed ones."""
-        self.state.check()
-        for part in self.parts:
-            part.check()
-        if tuple(map(_GEOMETRY, self.sources)) != self.geometry:
-            for i, src in enumerate(self.sources):
-                src.check(f"sources[{i}] bound to this {self.owner}")
-        if layout_key(self.tensors) != self.key:
-            raise InputError(f"buffers bound to this {self.owner} were resized or replaced since it was built "
-                             f"(their shape, strides, dtype, device or address changed): "
-                             f"{changed_buffers(self.names, self.tensors, self.key)}; bind it again")
+        self.buffers.check()
 
     def tag(self, tag) -> int:
         """The launch tag as a plain int (the kernel gets nothing else): checked once per value
-        (``validate_ring``: an int in range; bools, floats, tensors and other objects refused or
-        converted by ``operator.index``), then passed as the int it names."""
+        (``validate_ring``: an int in range; bools, floats and other objects refused, 0-d
+        integer tensors and numpy integers converted by ``operator.index``)."""
         if type(tag) is int and tag in self._tags:
             return tag
         plain = validate_ring(self.state, tag)
         if type(tag) is int:
             self._tags.add(plain)
         return plain
-
-
-_GEOMETRY = operator.attrgetter("num_slots", "bytes_per_token", "page_size", "page_stride_bytes", "half")
 
 
 def _source_buffers(sources, meta) -> dict:
@@ -215,7 +194,7 @@ class BoundCheck:
         self._bound = Bound("BoundCheck", state, {
             **_source_buffers(sources, meta), "truth": truth, "truth_lens": truth_lens,
             **dict(zip(("publication seq", "publication rows"), publication or (), strict=False))}, sources,
-            (workspace, marks))
+            ((workspace, "workspace", WS_FIELDS), (marks, "marks", ("words", "epoch"))))
         self._launch = CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins,
                                     publication)
         self.memo = memo if memo is not None else BatchMemo()
@@ -408,10 +387,10 @@ class BoundVerify:
         sources, mode, meta = kv.list(), kv.mode, kv.meta
         check_programs(max_programs)
         self.state, self.plan = state, plan
-        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta), sources)
+        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta), sources,
+                            ((plan, "plan", tuple(f.name for f in dataclasses.fields(Plan))),))
         self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
 
     def __call__(self, tag: int) -> None:
-        self.plan.check()  # every plan buffer as it was built (and bound)
-        self._bound.check()
+        self._bound.check()  # the state's, the plan's and the sources' buffers as bound
         self._launch.launch(self._bound.tag(tag))

@@ -81,7 +81,7 @@ class KVSource:
         resized or restrided ``words``, another slot count, row size, page size or page stride)."""
         now = self._geometry()
         if now != self._key:
-            what = ("address", "length", "strides", "dtype", "device", "num_slots", "bytes_per_token", "page_size",
+            what = ("address", "length", "strides", "dtype", "num_slots", "bytes_per_token", "page_size",
                     "page_stride_bytes", "half")
             diff = ", ".join(f"{w} {_plain(a)} -> {_plain(b)}" for w, a, b in zip(what, self._key, now, strict=True)
                              if a != b and w != "address") or "moved to another address"

@@ -109,7 +109,7 @@ class Workspace:
         if layout_key(self.tensors()) != self._key:
             raise InputError(f"Workspace buffers were resized or replaced since it was built "
                              "(their shape, strides, dtype, device or address changed): "
-                             f"{changed_buffers(_WS_FIELDS, self.tensors(), self._key)}; "
+                             f"{changed_buffers(WS_FIELDS, self.tensors(), self._key)}; "
                              "allocate a new one (Workspace.allocate)")
 
     @property
@@ -120,11 +120,11 @@ class Workspace:
     def max_tokens(self) -> int:
         return self.block_flag.shape[0] * WRITE_BLOCK
 
-_WS_FIELDS = ("sync", "write_offsets", "seed", "block_sum", "block_flag")
+WS_FIELDS = ("sync", "write_offsets", "seed", "block_sum", "block_flag")
 COUNTER_BLOCK_WORDS = 1 + NUM_LAUNCH_TAGS * NUM_STATS + 1  # ring_counter, stats, error (one word)
 
 
-_STATE_FIELDS = ("records", "ring", "ring_counter", "stats", "error", "source_tags")
+STATE_FIELDS = ("records", "ring", "ring_counter", "stats", "error", "source_tags")
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,7 +232,7 @@ class DeviceState:
         if layout_key(tensors) != self._key:
             raise InputError(f"state buffers were resized or replaced since the DeviceState was built "
                              "(their shape, strides, dtype, device or address changed): "
-                             f"{changed_buffers(tuple(f'state.{n}' for n in _STATE_FIELDS), tensors, self._key)}; "
+                             f"{changed_buffers(tuple(f'state.{n}' for n in STATE_FIELDS), tensors, self._key)}; "
                              "build a new DeviceState")
 
     @property
