@@ -319,8 +319,6 @@ class Canary:
     def attach_host_tier(self, num_rows: int) -> None:
         """Keep a host mirror of records for a host offload tier of ``num_rows`` rows (call once,
         before the first ``offload``)."""
-        if type(num_rows) is int and num_rows >= 1:  # the rest: refused by the rows themselves
-            check_int("num_rows", num_rows, 1)
         self.rows.attach_host_tier(num_rows)
 
     def row_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
