@@ -6,8 +6,6 @@ reads, and with held prefix-cache slots; the clean twins report nothing."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -77,7 +75,7 @@ def expected_rows(b: dict) -> list[list[int]]:
 def run_backend(b: dict, backend: Backend, launches: int = 1) -> list[list[int]]:
     dev = device_for(backend)
     args = {k: (v.to(dev, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
-    args["plan"] = Plan(**{f.name: getattr(b["plan"], f.name).to(dev, copy=True) for f in dataclasses.fields(Plan)})
+    args["plan"] = Plan(**{k: v.to(dev, copy=True) for k, v in vars(b["plan"]).items()})
     args["marks"] = WriteMarks(b["marks"].words.to(dev, copy=True), b["marks"].epoch.to(dev, copy=True))
     base = int(b["ring_counter"][0])
     for _ in range(launches):  # marks of earlier launches must not leak into later ones

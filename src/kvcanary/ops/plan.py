@@ -28,6 +28,7 @@ head or padding), from which ``stamp`` continues the chain.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,9 @@ class Plan:
         for name, _ in _PLAN_FIELDS:
             t = getattr(self, name)
             check_aligned(f"Plan.{name}", t, t.element_size(), "the kernels read whole words")
-        object.__setattr__(self, "_key", layout_key(self.tensors()))
+        # kept beside the plan, not in it: vars(plan) and dataclasses.replace see the fields alone
+        _PLAN_KEYS[id(self)] = layout_key(self.tensors())
+        weakref.finalize(self, _PLAN_KEYS.pop, id(self), None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The twelve buffers, in field order."""
@@ -100,10 +103,11 @@ class Plan:
         addresses, shapes, strides, dtypes, devices); a resized ``enable`` or ``overflow``, two
         swapped fields or a restrided column are refused before a kernel indexes them."""
         tensors = self.tensors()
-        if layout_key(tensors) != self._key:
+        key = _PLAN_KEYS.get(id(self))
+        if layout_key(tensors) != key:
             raise InputError(f"plan buffers were resized or replaced since the Plan was built "
                              "(their shape, strides, dtype, device or address changed): "
-                             f"{changed_buffers(_PLAN_NAMES, tensors, self._key)}; use Plan.allocate")
+                             f"{changed_buffers(_PLAN_NAMES, tensors, key)}; use Plan.allocate")
 
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
@@ -143,6 +147,7 @@ _PLAN_FIELDS = (("slot", torch.int32), ("pred", torch.int32), ("position", torch
                 ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64),
                 ("entry", torch.int32), ("row", torch.int32))
 _PLAN_NAMES = tuple(f"plan.{name}" for name, _ in _PLAN_FIELDS)
+_PLAN_KEYS: dict[int, tuple] = {}  # id(plan) -> its layout_key when built (Plan.check)
 
 
 def validate_plan_buffers(plan, device: torch.device) -> None:
