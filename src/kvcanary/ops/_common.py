@@ -11,6 +11,7 @@ is installed and imports.
 from __future__ import annotations
 
 import enum
+import operator
 
 import torch
 
@@ -96,6 +97,17 @@ def vector_ok(t, length: int, index: int) -> bool:
             and t.get_device() == index and t.is_contiguous())
 
 
+def check_lut(lut) -> None:
+    """A sliding-window pool's slot table, where given: a non-empty contiguous int64[n] (the
+    kernels read ``lut[slot]`` for slots in [0, n) as one run of memory)."""
+    if lut is None:
+        return
+    check_tensor("lut", lut, torch.int64, 1)
+    if lut.shape[0] < 1:
+        raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_contiguous("lut", lut)
+
+
 def check_table(name: str, t: torch.Tensor) -> None:
     """A 2-D table the kernels index as ``ptr + row * stride(0) + col``: at least one row (row 0
     is padding) and one column, unit column stride, rows that do not overlap."""
@@ -139,6 +151,131 @@ def check_programs(max_programs) -> None:
     """A persistent grid's program cap: an int in [1, 65535]."""
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= 65535:
         raise InputError(f"max_programs {max_programs!r} out of range [1, 65535]")
+
+
+_ADDRESS, _SHAPE, _STRIDE = torch.Tensor.data_ptr, operator.attrgetter("shape"), torch.Tensor.stride
+_DTYPE = operator.attrgetter("dtype")
+
+
+def layout_key(tensors: tuple) -> tuple:
+    """What a kernel indexes of each tensor, as one flat tuple: addresses, shapes, strides and
+    dtypes. A buffer checked once and bound keeps its key while it is the buffer checked: a
+    resize, a restride at the same address, a swap of two fields, another dtype (``resize_``,
+    ``set_``, ``as_strided_``, ``.data =``) all change it. The device is implied: every buffer's
+    device is checked when it is built, torch refuses ``.data =`` across device types, and a move
+    between two CUDA devices moves the address (one virtual address space). Maps, not a
+    generator: bound launches compare one at every call, where each Python frame costs
+    microseconds (about 0.15 µs a tensor and attribute)."""
+    return (*map(_ADDRESS, tensors), *map(_SHAPE, tensors), *map(_STRIDE, tensors), *map(_DTYPE, tensors))
+
+
+def changed_buffers(names: tuple, tensors: tuple, key: tuple) -> str:
+    """The names of the tensors whose layout differs from ``key`` (``layout_key`` of tensors of
+    the same count), with what each was and is now: the message of a per-call check that failed."""
+    n, now, parts = len(tensors), layout_key(tensors), []
+    for i, name in enumerate(names):
+        was_i, now_i = key[i::n], now[i::n]
+        if was_i != now_i:
+            moved = ", moved to another address" if was_i[0] != now_i[0] else ""
+            parts.append(f"{name} {_show(was_i, tensors[i])} -> {_show(now_i, tensors[i])}{moved}")
+    return "; ".join(parts) or "none"
+
+
+def _show(values: tuple, t: torch.Tensor) -> str:
+    _, shape, stride, dtype = values
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} strides {stride} on {t.device}"
+
+
+_GEOMETRY = operator.attrgetter("num_slots", "bytes_per_token", "page_size", "page_stride_bytes", "half")
+
+
+class BoundBuffers:
+    """What a bound launch (``ops.bound``, ``ops._cpu.BoundForward``) checked when it was built
+    and re-checks at every call: the fields of the objects it reads (``parts``: (object, label,
+    field names), read again at each call, so that a swap of two fields of a frozen object is
+    seen), the tensors it holds itself (``named``), and its KV sources' geometry.
+
+    A call reads three attributes a tensor, its address, torch's version counter and its dtype,
+    and compares them with those of the last call (one tuple compare): every in-place change of
+    a tensor's layout (``resize_``, ``set_``, ``as_strided_``, ``transpose_``, ...) bumps its
+    version, ``.data =`` another tensor moves its address or its version, and ``.data =`` a view
+    of itself in another dtype changes the dtype. Where any differs (a write through torch bumps
+    the version too), the full ``layout_key`` is compared with the one taken at binding: the
+    same layout passes (and is remembered), another is refused. What the reads cannot see,
+    ``.data =`` a view of the tensor itself at its own address in its own dtype, keeps the
+    storage and the element type: the kernels, which index it with the sizes bound, stay inside
+    it. The full key (four reads a tensor) costs about 1 µs a tensor on a loaded CPU, the three
+    reads about 0.6 µs."""
+
+    __slots__ = ("owner", "parts", "names", "tensors", "sources", "geometry", "key", "stamp")
+
+    def __init__(self, owner: str, parts: tuple, named: dict, sources=()):
+        self.owner = owner
+        self.parts = tuple((obj, operator.attrgetter(*fields), label, fields) for obj, label, fields in parts
+                           if obj is not None)
+        named = {k: v for k, v in named.items() if v is not None}
+        self.names = tuple(f"{label}.{f}" for _, _, label, fields in self.parts for f in fields) + tuple(named)
+        self.tensors = tuple(named.values())
+        self.sources = tuple(sources)
+        self.geometry = tuple(map(_GEOMETRY, self.sources))
+        now = self._current()
+        self.key = layout_key(now)
+        self.stamp = (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now))
+
+    def _current(self) -> tuple:
+        out = ()
+        for obj, get, _, _ in self.parts:
+            out += get(obj)
+        return out + self.tensors
+
+    def check(self) -> None:
+        """Raises InputError naming what changed since the launch was bound."""
+        now = self._current()
+        stamp = (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now))
+        if stamp == self.stamp and (not self.sources or tuple(map(_GEOMETRY, self.sources)) == self.geometry):
+            return
+        if layout_key(now) == self.key and tuple(map(_GEOMETRY, self.sources)) == self.geometry:
+            self.stamp = stamp  # written through torch, laid out as bound
+            return
+        for obj, _, _, _ in self.parts:
+            obj.check()
+        for i, src in enumerate(self.sources):
+            src.check(f"sources[{i}] bound to this {self.owner}")
+        raise InputError(f"buffers bound to this {self.owner} were resized or replaced since it was built "
+                         "(their shape, strides, dtype or address changed): "
+                         f"{changed_buffers(self.names, now, self.key)}; bind it again")
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def check_aligned(name: str, t: torch.Tensor, align: int, what: str) -> None:
+    """A buffer a kernel reads as ``align``-byte words starts on such a word."""
+    if t.data_ptr() % align:
+        raise InputError(f"{name} starts {t.data_ptr() % align} bytes past a {align}-byte boundary ({what}); "
+                         "pass the buffer itself or a view at a multiple of its word size")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` reaches, [first, last)."""
+    start = t.data_ptr()
+    reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return start, start + (reach + 1) * t.element_size()
+
+
+def check_no_alias(name: str, out: torch.Tensor, inputs: dict) -> None:
+    """An op's output shares no byte with its inputs (``inputs``: name -> tensor or None): the
+    backends read and write in different orders, so an output over an input would give each its
+    own result (and overwrite the input)."""
+    if not out.numel():
+        return
+    lo, hi = _span(out)
+    for other, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
+            a, b = _span(t)
+            if a < hi and lo < b:
+                raise InputError(f"{name} shares memory with {other}; pass a separate {name} buffer "
+                                 f"(or none: the op allocates one)")
 
 
 def is_host(t: torch.Tensor) -> bool:

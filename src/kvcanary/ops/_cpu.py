@@ -45,8 +45,9 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops import _cpu_scatter as _ks
-from kvcanary.ops._common import Backend
+from kvcanary.ops._common import Backend, BoundBuffers
 from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
+from kvcanary.ops.state import STATE_FIELDS
 
 log = logging.getLogger("kvcanary")
 
@@ -269,11 +270,25 @@ class BoundForward:
         self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
+        # the tensors behind the views above, with their layout now: ``check_bound`` at every call
+        self.buffers = BoundBuffers("BoundForward", ((state, "state", STATE_FIELDS),), {
+            **{f"sources[{i}].words": src.words for i, src in enumerate(sources)},
+            "meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens}, sources)
+
+    def check_bound(self, tag: int = 0) -> None:
+        """The per-call check: the state's buffers and the other bound tensors as they were bound
+        (the views read their memory), the sources' geometry (``BoundBuffers``: one tuple
+        compare), and the tag a plain int in range (the kernels index the stats by it). Raises
+        InputError naming the changed buffer or the tag."""
+        self.buffers.check()
+        if type(tag) is not int or not 0 <= tag < NUM_LAUNCH_TAGS:
+            raise InputError(f"tag {tag!r} must be an int in [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
 
     def scatter(self, flat_in: np.ndarray, offsets: np.ndarray, rpi: np.ndarray, starts: np.ndarray | None = None
                 ) -> bool:
         """Token truth of the batch into the truth table and each request's length into the lengths
         (``starts``: appends, each from its column on)."""
+        self.check_bound()
         try:
             return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True,
                                  _DUMMY_I64_1 if starts is None else starts, starts is not None) == 0
@@ -286,6 +301,7 @@ class BoundForward:
         against the truth table; ``scatter``: the forward's (truth ids, offsets, starts or None),
         scattered into the truth table and lengths first, in the same call (with starts: appends,
         each from its column on); ``held``: int64 numpy slots or None."""
+        self.check_bound(tag)
         rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         flat, offsets, starts = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1, None)
@@ -306,6 +322,7 @@ class BoundForward:
         """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most
         ``capacity`` of them, fingerprints included; False (nothing written) where they do not fit
         that plan."""
+        self.check_bound(tag)
         n = len(slot)
         if n > self.capacity:
             return False

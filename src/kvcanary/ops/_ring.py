@@ -16,6 +16,8 @@ def validate_ring(state, tag: int) -> int:
     """The state (per-call identity check) and the launch tag; on the host also the counter's
     value. Returns the tag as an int."""
     check_state(state)
+    if isinstance(tag, bool):
+        raise InputTypeError("tag must be an int (LaunchTag(...).value), got bool")
     try:
         tag = operator.index(tag)
     except TypeError:

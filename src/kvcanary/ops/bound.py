@@ -12,13 +12,22 @@ layout with attribute reads and returns False, launching nothing, for one the op
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 
 from kvcanary.core.record import LaunchPoint
 from kvcanary.errors import InputError, InputTypeError, KVCanaryError
-from kvcanary.ops._common import cdiv, check_contiguous, check_same_device, check_table, check_tensor, vector_ok
+from kvcanary.ops._common import (
+    BoundBuffers,
+    cdiv,
+    check_contiguous,
+    check_same_device,
+    check_table,
+    check_tensor,
+    vector_ok,
+)
 from kvcanary.ops._ring import validate_ring
 from kvcanary.ops.check import _VALIDATED, _validate_forward
 from kvcanary.ops.check_launch import CheckLaunch, check_split, held_arg
@@ -30,7 +39,7 @@ from kvcanary.ops.launcher import launch
 from kvcanary.ops.plan import Plan, check_window
 from kvcanary.ops.publish import validate_publication
 from kvcanary.ops.sources import SourceSet
-from kvcanary.ops.state import DeviceState, check_state
+from kvcanary.ops.state import STATE_FIELDS, WS_FIELDS, DeviceState, check_state
 from kvcanary.ops.verify import _VerifyLaunch, check_programs, validate_verify
 
 
@@ -73,6 +82,40 @@ class BatchMemo:
 
 
 _ADDRESS = torch.Tensor.data_ptr
+
+
+class Bound:
+    """A bound launch's per-call checks: its buffers (``BoundBuffers``: the state's, the
+    workspace's and the write marks' fields read again, the KV words, their table, the truth
+    table, the publication, the sources' geometry; one tuple compare) and the launch tag,
+    passed to the kernel as the plain int it names."""
+
+    __slots__ = ("buffers", "state", "_tags")
+
+    def __init__(self, owner: str, state: DeviceState, named: dict, sources=(), parts=()):
+        self.state = state
+        self.buffers = BoundBuffers(owner, ((state, "state", STATE_FIELDS), *parts), named, sources)
+        self._tags: set[int] = set()
+
+    def check(self) -> None:
+        self.buffers.check()
+
+    def tag(self, tag) -> int:
+        """The launch tag as a plain int (the kernel gets nothing else): checked once per value
+        (``validate_ring``: an int in range; bools, floats and other objects refused, 0-d
+        integer tensors and numpy integers converted by ``operator.index``)."""
+        if type(tag) is int and tag in self._tags:
+            return tag
+        plain = validate_ring(self.state, tag)
+        if type(tag) is int:
+            self._tags.add(plain)
+        return plain
+
+
+def _source_buffers(sources, meta) -> dict:
+    named = {f"sources[{i}].words": src.words for i, src in enumerate(sources)}
+    named["meta"] = meta
+    return named
 
 
 class BoundCheck:
@@ -148,7 +191,10 @@ class BoundCheck:
         self.truth, self.truth_lens = truth, truth_lens
         self.max_bs, self.max_tokens = workspace.max_bs, workspace.max_tokens
         self.index = device.index if device.type == "cuda" else -1  # Tensor.get_device() of the state's tensors
-        self._tags: set[int] = set()
+        self._bound = Bound("BoundCheck", state, {
+            **_source_buffers(sources, meta), "truth": truth, "truth_lens": truth_lens,
+            **dict(zip(("publication seq", "publication rows"), publication or (), strict=False))}, sources,
+            ((workspace, "workspace", WS_FIELDS), (marks, "marks", ("words", "epoch"))))
         self._launch = CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins,
                                     publication)
         self.memo = memo if memo is not None else BatchMemo()
@@ -176,12 +222,8 @@ class BoundCheck:
             raise InputError("truth_ids and truth_offsets go together, to HEAD (stamp=True) with truth=True; got "
                              f"truth_ids {'set' if truth_ids is not None else 'None'}, truth_offsets "
                              f"{'set' if truth_offsets is not None else 'None'}, stamp={self.stamp}, truth={truth!r}")
-        state = self.state
-        state.check()
-        if tag not in self._tags:
-            validate_ring(state, tag)  # raises for a tag out of range, as check_forward does
-            if type(tag) is int:
-                self._tags.add(tag)
+        self._bound.check()
+        tag = self._bound.tag(tag)  # raises for a tag out of range, as check_forward does
         if truth and self.truth is None:
             return False
         truth_t = self.truth if truth else None
@@ -305,6 +347,8 @@ class BoundMarks:
     def __init__(self, state: DeviceState, sources, meta: torch.Tensor | None = None,
                  mode: FingerprintMode = FingerprintMode.PARTIAL):
         check_state(state)
+        if not isinstance(mode, FingerprintMode):
+            raise InputTypeError(f"mode must be a FingerprintMode, got {type(mode).__name__} {mode!r}")
         sources = list(sources)
         if not sources:
             raise InputError("BoundMarks needs at least one source; without sources mark_writes marks nothing")
@@ -313,10 +357,11 @@ class BoundMarks:
         self.words = source_words(sources, self.meta)
         self.constexprs = {lut: dict(HAS_LUT=lut, NUM_SOURCES=len(sources), BLOCK=MARK_BLOCK) for lut in (False, True)}
         self.index = state.device.index if state.device.type == "cuda" else -1
+        self._bound = Bound("BoundMarks", state, _source_buffers(sources, self.meta), sources)
 
     def __call__(self, out_cache_loc: torch.Tensor, lut: torch.Tensor | None = None) -> bool:
         state, index = self.state, self.index
-        state.check()
+        self._bound.check()
         if not isinstance(out_cache_loc, torch.Tensor) or not vector_ok(out_cache_loc, out_cache_loc.shape[0], index):
             return False
         if lut is not None and not (isinstance(lut, torch.Tensor) and vector_ok(lut, lut.shape[0], index)
@@ -331,8 +376,9 @@ class BoundMarks:
 
 class BoundVerify:
     """``verify`` of one plan on one state with the state, the plan, the sources and their
-    ``meta`` checked once (a Canary's sweeps on CUDA); a call checks that the state's and the
-    plan's buffers are still those bound (addresses, shapes) and the tag, then launches: the
+    ``meta`` checked once (a Canary's sweeps on CUDA); a call checks that the state's, the
+    plan's and the sources' buffers are still those bound (``layout_key``) and the tag, then
+    launches: the
     plan's entries are device values, which the kernel masks. Triton only."""
 
     def __init__(self, state: DeviceState, plan: Plan, sources=(), mode: FingerprintMode = FingerprintMode.NONE,
@@ -341,21 +387,10 @@ class BoundVerify:
         sources, mode, meta = kv.list(), kv.mode, kv.meta
         check_programs(max_programs)
         self.state, self.plan = state, plan
-        self._layout = _plan_layout(plan)
-        self._tags: set[int] = set()
+        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta), sources,
+                            ((plan, "plan", tuple(f.name for f in dataclasses.fields(Plan))),))
         self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
 
     def __call__(self, tag: int) -> None:
-        self.state.check()
-        if _plan_layout(self.plan) != self._layout:
-            raise InputError("plan buffers were resized or replaced since the BoundVerify was built; bind it again")
-        if tag not in self._tags:
-            validate_ring(self.state, tag)
-            if type(tag) is int:
-                self._tags.add(tag)
-        self._launch.launch(tag)
-
-
-def _plan_layout(plan: Plan) -> tuple:
-    return tuple((t.data_ptr(), t.shape) for t in (plan.slot, plan.pred, plan.position, plan.token, plan.entry,
-                                                   plan.row, plan.count, plan.enable))
+        self._bound.check()  # the state's, the plan's and the sources' buffers as bound
+        self._launch.launch(self._bound.tag(tag))

@@ -49,10 +49,13 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    changed_buffers,
     check_contiguous,
     check_len,
+    check_lut,
     check_same_device,
     check_tensor,
+    layout_key,
     num_bits,
     searchsorted_right,
     tl,
@@ -87,6 +90,15 @@ class WriteMarks:
         if self.epoch.shape[0] != 1 or self.epoch.device != self.words.device:
             raise InputError(f"WriteMarks.epoch must be int64[1] on {self.words.device}, got shape "
                              f"{tuple(self.epoch.shape)} on {self.epoch.device}; use WriteMarks.allocate")
+        object.__setattr__(self, "_key", layout_key((self.words, self.epoch)))
+
+    def check(self) -> None:
+        """The per-call check: ``words`` and ``epoch`` as validated at construction (``layout_key``)."""
+        if layout_key((self.words, self.epoch)) != self._key:
+            raise InputError(f"WriteMarks buffers were resized or replaced since they were built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(('marks.words', 'marks.epoch'), (self.words, self.epoch), self._key)}"
+                             "; use WriteMarks.allocate")
 
     @classmethod
     def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> WriteMarks:
@@ -119,6 +131,7 @@ def validate_marks(marks, held, num_slots: int, device: torch.device) -> None:
         if not isinstance(marks, WriteMarks):
             raise InputTypeError(f"marks must be a WriteMarks (WriteMarks.allocate(num_slots)), got "
                                  f"{type(marks).__name__}")
+        marks.check()
         if marks.num_slots != num_slots or marks.words.device != device:
             raise InputError(f"marks cover {marks.num_slots} slots on {marks.words.device} but the state has "
                              f"{num_slots} on {device}; allocate them with WriteMarks.allocate(num_slots, device)")
@@ -157,15 +170,19 @@ def validate_writes(state, plan, out_cache_loc, input_ids, positions, req_pool_i
     for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
                     ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets)):
         check_tensor(name, t, torch.int64, 1)
-    for name, t in (("lut", lut), ("held", held)):
-        if t is not None:
-            check_tensor(name, t, torch.int64, 1)
+    check_lut(lut)
+    if held is not None:
+        check_tensor("held", held, torch.int64, 1)
     check_same_device(records=state.records, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                       req_pool_indices=req_pool_indices, write_offsets=write_offsets, lut=lut)
     n = input_ids.shape[0]
     check_len("out_cache_loc", out_cache_loc, n, "len(input_ids)")
     check_len("positions", positions, n, "len(input_ids)")
     validate_offsets("write_offsets", write_offsets, req_pool_indices.shape[0], n)
+    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
+                    ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets), ("held", held)):
+        if t is not None:  # on every backend, so that both refuse what the kernel cannot read
+            check_contiguous(name, t)
     return tag
 
 
@@ -309,11 +326,6 @@ def check_writes(*, state: DeviceState, plan: Plan, out_cache_loc: torch.Tensor,
         return
     if marks is None:
         marks = WriteMarks.allocate(num_slots, device)
-    for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
-                    ("req_pool_indices", req_pool_indices), ("write_offsets", write_offsets), ("lut", lut),
-                    ("held", held), ("marks.words", marks.words)):
-        if t is not None:
-            check_contiguous(name, t)
     n, bs = input_ids.shape[0], req_pool_indices.shape[0]
     n_held = held.shape[0] if held is not None else 0
     block = 1024

@@ -44,6 +44,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_len,
+    check_no_alias,
     check_same_device,
     check_tensor,
     tl,
@@ -214,6 +215,8 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
     check_tensor("slots", slots, torch.int64, 1)
     if not isinstance(mode, FingerprintMode):
         raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+    if type(record) is not bool:
+        raise InputTypeError(f"record must be True or False, got {type(record).__name__} {record!r}")
     if out is None and isinstance(slots, torch.Tensor):
         out = torch.empty_like(slots)
     check_tensor("out", out, torch.int64, 1)
@@ -224,6 +227,8 @@ def fingerprint(*, slots: torch.Tensor, sources, mode: FingerprintMode, state: D
     sources, mode, meta = kv.list(), kv.mode, kv.meta
     for name, t in (("slots", slots), ("out", out)):
         check_contiguous(name, t)
+    check_no_alias("out", out, {"slots": slots, "state.records": canary, "state.source_tags": state.source_tags,
+                                **{f"sources[{i}].words": src.words for i, src in enumerate(sources)}})
     n, num_slots = slots.shape[0], canary.shape[0]
     ok = None
     tags = None

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.errors import InputError
+from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
     check_len,
+    check_no_alias,
     check_same_device,
     check_table,
     check_tensor,
@@ -73,8 +74,13 @@ def validate_gather(truth, truth_lens, req_pool_indices, prefix_lens, extend_off
     check_len("prefix_lens", prefix_lens, bs, "bs")
     check_len("out", out, n, "len(input_ids)")
     validate_offsets("extend_offsets", extend_offsets, bs, n)
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise InputTypeError(f"shift must be an int (0, or 1 for speculative drafts), got {type(shift).__name__} "
+                             f"{shift!r}")
     if shift not in (0, 1):
         raise InputError(f"shift {shift} not in (0, 1); use 1 only for speculative drafts")
+    check_no_alias("out", out, dict(truth=truth, truth_lens=truth_lens, req_pool_indices=req_pool_indices,
+                                    prefix_lens=prefix_lens, extend_offsets=extend_offsets, input_ids=input_ids))
     if is_host(req_pool_indices):
         bad = (req_pool_indices < 0) | (req_pool_indices >= truth.shape[0])
         if bool(bad.any()):

@@ -40,12 +40,14 @@ import torch
 
 from kvcanary.core.hashing import GOLDEN, splitmix64_torch, to_signed
 from kvcanary.core.record import Reason
-from kvcanary.errors import InputError, InputTypeError
+from kvcanary.errors import InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
     check_contiguous,
     check_len,
+    check_lut,
+    check_no_alias,
     check_same_device,
     check_tensor,
     tl,
@@ -72,10 +74,7 @@ def validate_landed(state, out_cache_loc, sources, lut, others: dict) -> torch.d
     for name, t in others.items():
         check_tensor(name, t, torch.int64, 1)
         check_len(name, t, n, "len(out_cache_loc)")
-    if lut is not None:
-        check_tensor("lut", lut, torch.int64, 1)
-        if lut.shape[0] < 1:
-            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_lut(lut)
     if not isinstance(sources, list | tuple):
         raise InputTypeError(f"sources must be a list of KVSource, got {type(sources).__name__}")
     device = check_same_device(records=state.records, out_cache_loc=out_cache_loc, lut=lut, **others)
@@ -234,6 +233,8 @@ def mark_writes(*, state: DeviceState, out_cache_loc: torch.Tensor, sources, lut
     InputTypeError / InputError for wrong dtypes, shapes, devices, sources or meta, before anything
     is written."""
     device = validate_landed(state, out_cache_loc, sources, lut, {})
+    if not isinstance(mode, FingerprintMode):
+        raise InputTypeError(f"mode must be a FingerprintMode, got {type(mode).__name__} {mode!r}")
     meta = validate_meta(meta, list(sources), mode, device)
     for name, t in (("out_cache_loc", out_cache_loc), ("lut", lut)):
         if t is not None:
@@ -265,6 +266,10 @@ def check_writes_landed(*, state: DeviceState, out_cache_loc: torch.Tensor, inpu
     check_tensor("out", out, torch.bool, 1)
     check_len("out", out, n, "len(out_cache_loc)")
     check_same_device(records=state.records, out=out)
+    check_no_alias("out", out, {"out_cache_loc": out_cache_loc, "input_ids": input_ids, "positions": positions,
+                                "lut": lut, "state.records": state.records, "state.ring": state.ring,
+                                "state.ring_counter": state.ring_counter,
+                                **{f"sources[{i}].words": src.words for i, src in enumerate(sources)}})
     for name, t in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions),
                     ("lut", lut), ("out", out)):
         if t is not None:

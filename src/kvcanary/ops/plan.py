@@ -28,6 +28,7 @@ head or padding), from which ``stamp`` continues the chain.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +37,19 @@ from kvcanary.errors import InputError, InputTypeError
 from kvcanary.ops._common import (
     Backend,
     cdiv,
+    changed_buffers,
+    check_aligned,
     check_buffers,
     check_contiguous,
     check_count,
     check_len,
+    check_lut,
     check_programs,
     check_same_device,
     check_table,
     check_tensor,
     is_host,
+    layout_key,
     num_bits,
     searchsorted_right,
     tl,
@@ -82,6 +87,27 @@ class Plan:
                                              enable=1, overflow=1, verify_offsets=max_bs + 1,
                                              write_offsets=max_bs + 1),
                       f"capacity {cap}, max_bs {max_bs}")
+        for name, _ in _PLAN_FIELDS:
+            t = getattr(self, name)
+            check_aligned(f"Plan.{name}", t, t.element_size(), "the kernels read whole words")
+        # kept beside the plan, not in it: vars(plan) and dataclasses.replace see the fields alone
+        _PLAN_KEYS[id(self)] = layout_key(self.tensors())
+        weakref.finalize(self, _PLAN_KEYS.pop, id(self), None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The twelve buffers, in field order."""
+        return tuple(getattr(self, name) for name, _ in _PLAN_FIELDS)
+
+    def check(self) -> None:
+        """The per-call check: the buffers validated at construction, unchanged (``layout_key``:
+        addresses, shapes, strides, dtypes, devices); a resized ``enable`` or ``overflow``, two
+        swapped fields or a restrided column are refused before a kernel indexes them."""
+        tensors = self.tensors()
+        key = _PLAN_KEYS.get(id(self))
+        if layout_key(tensors) != key:
+            raise InputError(f"plan buffers were resized or replaced since the Plan was built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(_PLAN_NAMES, tensors, key)}; use Plan.allocate")
 
     @classmethod
     def allocate(cls, capacity: int, max_bs: int, device: torch.device | str = "cpu") -> Plan:
@@ -120,18 +146,17 @@ _PLAN_FIELDS = (("slot", torch.int32), ("pred", torch.int32), ("position", torch
                 ("count", torch.int64), ("enable", torch.int32), ("overflow", torch.int64),
                 ("verify_offsets", torch.int64), ("write_offsets", torch.int64), ("seed", torch.int64),
                 ("entry", torch.int32), ("row", torch.int32))
+_PLAN_NAMES = tuple(f"plan.{name}" for name, _ in _PLAN_FIELDS)
+_PLAN_KEYS: dict[int, tuple] = {}  # id(plan) -> its layout_key when built (Plan.check)
 
 
 def validate_plan_buffers(plan, device: torch.device) -> None:
     """A Plan (validated when built) on ``device`` whose buffers still have their shapes."""
     if not isinstance(plan, Plan):
         raise InputTypeError(f"plan must be a Plan (Plan.allocate(...)), got {type(plan).__name__}")
+    plan.check()
     if plan.slot.device != device:
         raise InputError(f"plan is on {plan.slot.device} but the state is on {device}")
-    cap = plan.capacity
-    if any(getattr(plan, n).shape[0] != cap for n in ("pred", "position", "token", "entry", "row")) \
-            or plan.count.shape[0] != 1:
-        raise InputError("plan buffers were resized since the Plan was built; use Plan.allocate")
 
 
 def validate_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, plan, truth, truth_lens, lut, window):
@@ -155,10 +180,7 @@ def validate_batch(req_pool_indices, prefix_lens, extend_lens, req_to_token, tru
     if truth is not None:
         check_tensor("truth", truth, torch.int32, 2)
         check_tensor("truth_lens", truth_lens, torch.int64, 1)
-    if lut is not None:
-        check_tensor("lut", lut, torch.int64, 1)
-        if lut.shape[0] < 1:
-            raise InputError("lut is empty; a window table needs an entry per full-pool slot")
+    check_lut(lut)
     check_window(window)
     device = check_same_device(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                req_to_token=req_to_token, truth=truth, truth_lens=truth_lens, lut=lut)

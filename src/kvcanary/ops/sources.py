@@ -24,7 +24,7 @@ import torch
 
 from kvcanary.core.record import MAX_SOURCES, FingerprintMode, Half
 from kvcanary.errors import InputError, InputTypeError
-from kvcanary.ops._common import Validated, check_tensor, is_host
+from kvcanary.ops._common import Validated, check_tensor, is_host, layout_key
 
 PARTIAL_BYTES = 16
 
@@ -70,6 +70,23 @@ class KVSource:
             self.bytes_per_token + self.bytes_per_token
         if last > self.words.numel() * 4:
             raise InputError(f"KV source holds {self.words.numel() * 4} bytes, but {self.num_slots} slots need {last}")
+        object.__setattr__(self, "_key", self._geometry())
+
+    def _geometry(self) -> tuple:
+        return (*layout_key((self.words,)), self.num_slots, self.bytes_per_token, self.page_size,
+                self.page_stride_bytes, self.half)
+
+    def check(self, name: str = "KVSource") -> None:
+        """The per-call check: the words and the geometry validated at construction, unchanged (a
+        resized or restrided ``words``, another slot count, row size, page size or page stride)."""
+        now = self._geometry()
+        if now != self._key:
+            what = ("address", "length", "strides", "dtype", "num_slots", "bytes_per_token", "page_size",
+                    "page_stride_bytes", "half")
+            diff = ", ".join(f"{w} {_plain(a)} -> {_plain(b)}" for w, a, b in zip(what, self._key, now, strict=True)
+                             if a != b and w != "address") or "moved to another address"
+            raise InputError(f"{name} changed since it was built ({diff}); build a new KVSource "
+                             "(KVSource.from_buffer) and SourceSet for the buffer as it is now")
 
     @property
     def page_stride(self) -> int:
@@ -95,6 +112,10 @@ class KVSource:
                    0, half, layer)
 
 
+def _plain(v) -> str:
+    return str(list(v)) if isinstance(v, torch.Size) else str(v).removeprefix("torch.")
+
+
 def canonical_device(device) -> torch.device:
     """``device`` with its index: ``cuda`` and ``cuda:0`` name one device (on a machine whose current
     device is 0), and tensors report the indexed form."""
@@ -110,6 +131,7 @@ def validate_sources(sources, num_slots: int, device: torch.device) -> None:
     for i, src in enumerate(sources):
         if not isinstance(src, KVSource):
             raise InputTypeError(f"sources[{i}] must be a KVSource, got {type(src).__name__}")
+        src.check(f"sources[{i}]")
         if src.words.device != canonical_device(device):
             raise InputError(f"sources[{i}] is on {src.words.device} but the canary is on {device}")
         if src.num_slots < num_slots:
@@ -178,6 +200,8 @@ class SourceSet:
         more than MAX_SOURCES, or a ``meta`` that does not match them."""
         if not isinstance(mode, FingerprintMode):
             raise InputTypeError(f"mode must be a FingerprintMode, got {mode!r}")
+        if not isinstance(sources, list | tuple):
+            raise InputTypeError(f"sources must be a list of KVSource or a SourceSet, got {type(sources).__name__}")
         kept = list(sources) if mode is not FingerprintMode.NONE else []
         device = canonical_device(device)
         validate_sources(kept, num_slots, device)
@@ -193,7 +217,22 @@ class SourceSet:
         if sources.device != canonical_device(device) or sources.num_slots < num_slots:
             raise InputError(f"SourceSet built for {sources.num_slots} slots on {sources.device}, used for "
                              f"{num_slots} on {device}; build one for this state")
+        sources.check()
         return sources
+
+    def check(self) -> None:
+        """The per-call check of a SourceSet taken as built: each source's words and geometry
+        (``KVSource.check``) and the table's layout, unchanged since ``build``."""
+        for i, src in enumerate(self.sources):
+            src.check(f"sources[{i}]")
+        if self.meta is not None and layout_key((self.meta,)) != self._meta_key:
+            raise InputError("the SourceSet's meta was resized, restrided or replaced since it was built; "
+                             "build a new SourceSet")
+        if self.meta is not None and is_host(self.meta):  # its values too (unchanged: one memo lookup)
+            validate_meta(self.meta, self.sources, self.mode, self.device)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_meta_key", layout_key((self.meta,)) if self.meta is not None else ())
 
     def list(self) -> list[KVSource]:
         return list(self.sources)

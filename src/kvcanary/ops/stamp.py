@@ -35,6 +35,7 @@ from kvcanary.ops._common import (
     cdiv,
     check_contiguous,
     check_len,
+    check_lut,
     check_same_device,
     check_tensor,
     num_bits,
@@ -64,8 +65,7 @@ def validate_stamp(state, out_cache_loc, input_ids, positions, req_pool_indices,
         check_tensor(name, t, torch.int64, 1)
     if expected_tokens is not None:
         check_tensor("expected_tokens", expected_tokens, torch.int64, 1)
-    if lut is not None:
-        check_tensor("lut", lut, torch.int64, 1)
+    check_lut(lut)
     check_same_device(records=canary, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                       req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, write_offsets=write_offsets,
                       seed=seed, expected_tokens=expected_tokens, lut=lut)

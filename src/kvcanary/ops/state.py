@@ -26,14 +26,21 @@ block (``counter_block()``), so the runtime snapshots all three with a single co
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, RECORD_BYTES, VIOLATION_ROW_WIDTH, LaunchPoint
 from kvcanary.errors import InputError, InputTypeError
-from kvcanary.ops._common import cdiv, check_buffers, check_count, check_tensor
+from kvcanary.ops._common import (
+    cdiv,
+    changed_buffers,
+    check_aligned,
+    check_buffers,
+    check_count,
+    check_tensor,
+    layout_key,
+)
 
 # tokens per look-back block of check_forward's writers: 256 (one a thread with HEAD's 8 warps) keeps
 # HEAD's kernel at 80 registers, against 222 at 1024, which left one block an SM for its verifiers too
@@ -74,6 +81,9 @@ class Workspace:
                              "use Workspace.allocate")
         check_buffers("Workspace", self, {}, dict(sync=4, write_offsets=max_bs + 1, block_sum=2 * blocks),
                       f"max_bs {max_bs}, blocks {blocks}")
+        for name in fields:
+            check_aligned(f"Workspace.{name}", getattr(self, name), 8, "the kernel reads int64 words")
+        object.__setattr__(self, "_key", layout_key(self.tensors()))
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device: torch.device | str = "cpu") -> Workspace:
@@ -102,6 +112,15 @@ class Workspace:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.sync, self.write_offsets, self.seed, self.block_sum, self.block_flag
 
+    def check(self) -> None:
+        """The per-call check: the buffers validated at construction, unchanged (``layout_key``:
+        addresses, shapes, strides, dtypes, devices); a swap of two fields or a resize is refused."""
+        if layout_key(self.tensors()) != self._key:
+            raise InputError(f"Workspace buffers were resized or replaced since it was built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(WS_FIELDS, self.tensors(), self._key)}; "
+                             "allocate a new one (Workspace.allocate)")
+
     @property
     def max_bs(self) -> int:
         return self.seed.shape[0]
@@ -110,16 +129,11 @@ class Workspace:
     def max_tokens(self) -> int:
         return self.block_flag.shape[0] * WRITE_BLOCK
 
+WS_FIELDS = ("sync", "write_offsets", "seed", "block_sum", "block_flag")
 COUNTER_BLOCK_WORDS = 1 + NUM_LAUNCH_TAGS * NUM_STATS + 1  # ring_counter, stats, error (one word)
 
 
-def _layout(tensors) -> tuple:
-    """The tensors' addresses, then their shapes (maps, not a generator: ``DeviceState.check`` runs
-    at every bound launch, where each Python frame costs µs)."""
-    return (*map(_ADDRESS, tensors), *map(_SHAPE, tensors))
-
-
-_ADDRESS, _SHAPE = torch.Tensor.data_ptr, operator.attrgetter("shape")
+STATE_FIELDS = ("records", "ring", "ring_counter", "stats", "error", "source_tags")
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +158,7 @@ class DeviceState:
             object.__setattr__(self, "source_tags", torch.zeros(num_slots, dtype=torch.int64, device=dev))
         object.__setattr__(self, "workspaces", tuple(self.workspaces))
         self._validate()
-        object.__setattr__(self, "_key", _layout(self._tensors()[:6]))
+        object.__setattr__(self, "_key", layout_key(self._tensors()[:6]))
 
     @classmethod
     def allocate(cls, num_slots: int, *, ring_capacity: int = 4096, max_bs: int = 1, max_tokens: int = 1,
@@ -185,6 +199,8 @@ class DeviceState:
                                  f"pass {name}.contiguous() (the kernels write it in place)")
             if t.device != self.records.device:
                 raise InputError(f"state.{name} is on {t.device} but state.records is on {self.records.device}")
+            check_aligned(f"state.{name}", t, 8 if name == "records" else t.element_size(),
+                          "records are read as int64 words" if name == "records" else "its own word size")
         if self.source_tags.shape[0] != self.records.shape[0]:
             raise InputError(f"state.source_tags length {self.source_tags.shape[0]} != num_slots "
                              f"({self.records.shape[0]}); one side word per record")
@@ -218,10 +234,14 @@ class DeviceState:
         return names[i]
 
     def check(self) -> None:
-        """The per-call check: the same buffers (addresses, shapes) as validated at construction.
-        The workspaces are checked against the batch by ``check_forward`` itself."""
-        if _layout((self.records, self.ring, self.ring_counter, self.stats, self.error, self.source_tags)) != self._key:
-            raise InputError("state buffers were resized or replaced since the DeviceState was built; "
+        """The per-call check: the same buffers as validated at construction, unchanged
+        (``layout_key``: addresses, shapes, strides, dtypes, devices). A workspace is checked
+        where it is used (``workspace``; a bound launch binds its own)."""
+        tensors = (self.records, self.ring, self.ring_counter, self.stats, self.error, self.source_tags)
+        if layout_key(tensors) != self._key:
+            raise InputError(f"state buffers were resized or replaced since the DeviceState was built "
+                             "(their shape, strides, dtype, device or address changed): "
+                             f"{changed_buffers(tuple(f'state.{n}' for n in STATE_FIELDS), tensors, self._key)}; "
                              "build a new DeviceState")
 
     @property
@@ -249,7 +269,12 @@ class DeviceState:
         return c.as_strided((words,), (1,), c.storage_offset())
 
     def workspace(self, point: LaunchPoint) -> Workspace | None:
-        return self.workspaces[0 if point is LaunchPoint.HEAD else 1] if self.workspaces else None
+        """The workspace of a launch point (None without workspaces), checked (``Workspace.check``)."""
+        if not self.workspaces:
+            return None
+        ws = self.workspaces[0 if point is LaunchPoint.HEAD else 1]
+        ws.check()
+        return ws
 
 
 def check_state(state: object) -> DeviceState:

@@ -40,6 +40,7 @@ from kvcanary.errors import ConfigError
 from kvcanary.ops.backend import HAS_TRITON, Backend, compile_cpu_kernels, cpu_kernels_usable, use_triton
 from kvcanary.ops.sources import KVSource, SourceSet
 from kvcanary.ops.state import DeviceState
+from kvcanary.runtime.arguments import check_int, check_point, check_runs, check_slots
 from kvcanary.runtime.batch import ForwardBatch
 from kvcanary.runtime.context import CanaryContext, CanaryTotals
 from kvcanary.runtime.forward import Forward
@@ -219,7 +220,7 @@ class Canary:
         return self.warmup_seconds
 
     def tag(self, point: LaunchPoint) -> int:
-        return self.ctx.tags[point]
+        return self.ctx.tags[check_point(point)]
 
     def join(self) -> None:
         """Order the current stream after the canary's side-stream work (``CanaryConfig.overlap``).
@@ -286,11 +287,13 @@ class Canary:
         CUDA, host slots never wait for queued device work: they go through pinned memory."""
         if not self.config.enabled:
             return
+        check_slots("hold slots", slots, flat=False)  # any shape: held as flattened
         t0 = time.perf_counter()
         self.holds.hold(slots)
         self.totals.seconds += time.perf_counter() - t0
 
     def sweep_due(self, step: int) -> bool:
+        check_int("step", step)
         return self.config.enabled and self.config.sweep_interval > 0 and step % self.config.sweep_interval == 0
 
     def entry_bytes(self) -> int:
@@ -302,6 +305,7 @@ class Canary:
         launches, even with nothing to sweep. Returns the number of slots queued for checking.
         ``hold``: also hold every slot of ``runs`` for the next HEAD (``hold`` of their
         concatenation), taken from the entries the sweep built."""
+        check_runs(runs, budget_bytes)
         return self.sweeper.sweep(runs, budget_bytes, hold)
 
     def prefetch_sweep(self, runs: Sequence[SweepRun]) -> int:
@@ -319,6 +323,9 @@ class Canary:
         and its fingerprint; the first one's link is checked by the next HEAD that reads it.
         ``first_position``: the position the first landed record holds, where the caller has its
         bytes on the host (else it is read from the device)."""
+        check_slots("verify_landed slots", slots, self.state.num_slots)
+        if type(first_position) is int:  # other types: refused by the sweeper, naming the call
+            check_int("verify_landed first_position", first_position)
         return self.sweeper.verify_landed(slots, first_position)
 
     # --- rows that travel with K/V -------------------------------------------------------------
@@ -405,10 +412,12 @@ class Canary:
         """Snapshot this step's counters, decode what the device reported (one step late on CUDA),
         apply the policy, feed the watchdog, print the stats line when due. Raises CanaryViolation
         under the raise policy and WatchdogTimeout when checks stopped (raise and recompute)."""
+        check_int("step", step)
         return self.step_end.end_step(step)
 
     def flush(self, step: int) -> StepReport:
         """Read everything still pending (end of a run); blocks until the device is done."""
+        check_int("step", step)
         return self.step_end.flush(step)
 
     def counters(self) -> dict:
