@@ -166,11 +166,12 @@ def test_a_write_into_exactly_one_held_slot(backend, counted, target):
     assert w.decode(a_slot=LAST - 1 if target == FREE else FREE, **kw) == []
     w = World(backend)
     # counted: the word after the count (request 2's target, slot 2) is past the count: not held
-    kw = dict(held_words=torch.tensor([1, target, 2], dtype=torch.int64)) if counted else dict(held=held)
+    # on the run's device, so that the count HEAD consumes is read back from the tensor it wrote
+    kw = dict(held_words=w.t([1, target, 2])) if counted else dict(held=held)
     assert w.decode(a_slot=target, **kw) == [row(HEAD, target, 3, 14, -1, 1, 0, Reason.READ_CONFLICT)]
     assert w.words[target] == [14, 3, CA[3], 0]  # the write happened: it is stamped
     if counted:  # HEAD consumed the count, and only the count
-        assert kw["held_words"].tolist() == [0, target, 2]
+        assert kw["held_words"].cpu().tolist() == [0, target, 2]
 
 
 @BACKEND
