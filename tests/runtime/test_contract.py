@@ -5,6 +5,7 @@ the canary writes anything; a host move without a host tier names attach_host_ti
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -105,8 +106,29 @@ def test_host_moves_check_their_rows():
         canary.load_back(torch.tensor([0, 9]), torch.tensor([3, 4]))
     with pytest.raises(KVCanaryError, match=r"offload host_rows must be an int64\[n\] tensor, got torch.float32\[2\]"):
         canary.offload(torch.tensor([3, 4]), torch.tensor([0.0, 1.0]))
-    with pytest.raises(KVCanaryError, match=r"attach_host_tier num_rows must be an int >= 1"):
-        canary.attach_host_tier(0)
+    for rows in (0, 2**70):
+        with pytest.raises(KVCanaryError, match=rf"attach_host_tier num_rows must be an int in \[1, {2**40}\] "
+                           rf"\(host tier rows\) or a HostMirror, got {rows}"):
+            canary.attach_host_tier(rows)
+
+
+def test_row_moves_take_one_slot_per_row():
+    """Slots of another shape (a 2-D or a 0-d tensor) are refused by name before anything is read
+    or written, on export, land and import alike."""
+    canary = Canary(CanaryConfig(), PoolGeometry(num_slots=41, rows=4, max_ctx=16))
+    gen = torch.Generator().manual_seed(11)
+    canary.state.records.copy_(torch.randint(0, 256, canary.state.records.shape, dtype=torch.uint8, generator=gen))
+    rows = canary.export_rows(torch.tensor([3, 7]))
+    before = canary.state.records.clone()
+    for slots in (torch.tensor([[3, 7]]), torch.tensor(3)):
+        shape = tuple(slots.shape)
+        with pytest.raises(KVCanaryError, match=rf"export_rows slots must be one-dimensional \(one slot per row\), "
+                           rf"got shape {re.escape(str(shape))}"):
+            canary.export_rows(slots)
+        for op in (canary.land_rows, canary.import_rows):
+            with pytest.raises(KVCanaryError, match=rf"{op.__name__} slots must be one-dimensional"):
+                op(slots, rows, canary.signature)
+    assert torch.equal(canary.state.records, before)
 
 
 def test_rows_travel_with_their_side_words_and_foreign_rows_are_refused():

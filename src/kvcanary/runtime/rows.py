@@ -28,6 +28,7 @@ from kvcanary.runtime.sweeping import Sweeper
 
 _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 _SIDE_BYTES = ROW_BYTES - RECORD_BYTES
+_MAX_HOST_ROWS = 2**40  # host tier rows: beyond any host memory (40 bytes a row)
 
 
 def _outside(t: torch.Tensor, n: int) -> bool:
@@ -81,6 +82,9 @@ class Rows:
             got = f"{slots.dtype} tensor" if isinstance(slots, torch.Tensor) else type(slots).__name__
             raise KVCanaryError(f"{op} {name} must be a tensor of signed integer slots (int64, int32, int16 or "
                                 f"int8), got {got}")
+        if slots.dim() != 1:
+            raise KVCanaryError(f"{op} {name} must be one-dimensional (one slot per row), got shape "
+                                f"{tuple(slots.shape)}")
         n = self.state.num_slots
         if not _outside(slots, n):
             return
@@ -131,9 +135,9 @@ class Rows:
         if isinstance(tier, HostMirror):
             self.check_mirror(tier)
             mirror = tier
-        elif type(tier) is not int or tier < 1:
-            raise ConfigError(f"attach_host_tier num_rows must be an int >= 1 (host tier rows) or a HostMirror, got "
-                              f"{tier!r}")
+        elif type(tier) is not int or not 1 <= tier <= _MAX_HOST_ROWS:
+            raise ConfigError(f"attach_host_tier num_rows must be an int in [1, {_MAX_HOST_ROWS}] (host tier rows) "
+                              f"or a HostMirror, got {tier!r}")
         else:
             mirror = HostMirror(torch.zeros(tier, ROW_BYTES, dtype=torch.uint8, pin_memory=records.is_cuda),
                                 self.signature)
