@@ -139,6 +139,12 @@ def mutate(w: World, rng: random.Random, op: str) -> str:
         else:
             object.__setattr__(src, name, getattr(src, name) * 2 + 16 * (name == "page_stride_bytes"))
         return f"geometry {name}"
+    if kind == "swap" and "sources" in READS[op] and len(w.sources) > 1 and rng.random() < 0.25:
+        a, b = rng.sample(w.sources, 2)  # two sources' words traded: each its geometry, the other's buffer
+        wa, wb = a.words, b.words
+        object.__setattr__(a, "words", wb)
+        object.__setattr__(b, "words", wa)
+        return "swap KVSource.words"
     if kind == "swap":
         owner = rng.choice([o for o, r in ((w.state, "state"), (w.plan, "plan"), (w.state.workspaces[0], "workspace"),
                                            (w.marks, "marks")) if r in READS[op]] or [w.state])

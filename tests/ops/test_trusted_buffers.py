@@ -248,3 +248,31 @@ def test_a_bound_launch_takes_writes_through_torch_and_refuses_a_retyped_buffer(
     ring = w["state"].ring
     ring.data = ring.view(torch.float64)  # the same address and version counter, another dtype
     refused(w, lambda: sweep(1), InputError, r"state\.ring int64\[8, 8\] .* -> float64\[8, 8\]")
+
+
+def test_two_sources_whose_words_were_swapped_are_refused_by_a_bound_launch():
+    w = world()
+    other = KVSource.from_buffer(torch.randint(-(2**31), 2**31 - 1, (NUM_SLOTS, 8), dtype=torch.int32, generator=GEN),
+                                 layer=1)
+    sweep = BoundVerify(w["state"], w["plan"], [w["src"], other], FingerprintMode.PARTIAL)
+    sweep(1)
+    a, b = w["src"].words, other.words
+    object.__setattr__(w["src"], "words", b)  # each keeps its geometry and reads the other's buffer
+    object.__setattr__(other, "words", a)
+    refused(w, lambda: sweep(1), InputError, r"sources\[0\] bound to this BoundVerify changed since it was built "
+                                             r"\(moved to another address\)")
+
+
+def test_the_pool_buffer_written_leaves_the_words_as_bound_and_a_grown_buffer_is_refused():
+    buf = torch.randint(-(2**31), 2**31 - 1, (NUM_SLOTS, 8), dtype=torch.int32, generator=GEN)
+    w = world()
+    src = KVSource.from_buffer(buf)
+    w["src"] = src
+    sweep = BoundVerify(w["state"], w["plan"], [src], FingerprintMode.PARTIAL)
+    version = src.words._version
+    buf[3].add_(1)  # the model's write, through its own buffer: the same memory, the words' version unmoved
+    assert src.words.view(NUM_SLOTS, 8)[3].equal(buf[3]) and src.words._version == version
+    sweep(1)
+    buf.resize_(NUM_SLOTS * 64, 8)  # the storage grows: its memory moves under the words too
+    refused(w, lambda: sweep(1), InputError, r"sources\[0\] bound to this BoundVerify changed since it was built "
+                                             r"\(moved to another address\)")

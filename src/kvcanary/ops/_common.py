@@ -187,29 +187,30 @@ def _show(values: tuple, t: torch.Tensor) -> str:
 
 
 _GEOMETRY = operator.attrgetter("num_slots", "bytes_per_token", "page_size", "page_stride_bytes", "half")
+_WORDS = operator.attrgetter("words")
 
 
 class BoundBuffers:
     """What a bound launch (``ops.bound``, ``ops._cpu.BoundForward``) checked when it was built
     and re-checks at every call: the fields of the objects it reads (``parts``: (object, label,
     field names), read again at each call, so that a swap of two fields of a frozen object is
-    seen), the tensors it holds itself (``named``), and its KV sources' geometry.
+    seen), its KV sources' ``words`` (read again too) and geometry, and the tensors it holds
+    itself (``named``).
 
-    A call reads three attributes of each buffer the engine does not write, its address, torch's
-    version counter and its dtype, and compares them with those of the last call (one tuple
-    compare): every in-place change of a tensor's layout (``resize_``, ``set_``, ``as_strided_``,
-    ``transpose_``, ...) bumps its version, ``.data =`` another tensor moves its address or its
-    version, and ``.data =`` a view of itself in another dtype changes the dtype. Where any
-    differs (a write through torch bumps the version too), the full ``layout_key`` is compared
-    with the one taken at binding: the same layout passes (and is remembered), another is
-    refused. The KV sources' words, which the model writes at every forward (so their version
-    always moves), are compared by their full layout instead, four reads each. What the reads
-    cannot see, ``.data =`` a view of a tensor itself at its own address in its own dtype, keeps
-    the storage and the element type: the kernels, which index it with the sizes bound, stay
-    inside it. The full key costs about 1 µs a tensor on a loaded CPU, the three reads about 0.6."""
+    A call reads three attributes of each buffer, its address, torch's version counter and its
+    dtype, and compares them with those of the last call (one tuple compare): every in-place
+    change of a tensor's layout (``resize_``, ``set_``, ``as_strided_``, ``transpose_``, ...)
+    bumps its version, ``.data =`` another tensor moves its address, and ``.data =`` a view of
+    itself in another dtype changes the dtype. Where any differs (a write through torch bumps
+    the version too), the full ``layout_key`` is compared with the one taken at binding: the
+    same layout passes (and is remembered), another is refused. The KV words, which the model
+    writes at every forward, keep a version counter of their own (``KVSource``), so the model's
+    writes do not move it. What the reads cannot see, ``.data =`` a view of a tensor itself at
+    its own address in its own dtype, keeps the storage and the element type: the kernels,
+    which index it with the sizes bound, stay inside it. The full key costs about 1 µs a tensor
+    on a loaded CPU, the three reads about 0.6."""
 
-    __slots__ = ("owner", "parts", "names", "tensors", "written", "written_key", "sources", "geometry", "key",
-                 "stamp")
+    __slots__ = ("owner", "parts", "names", "tensors", "sources", "key", "stamp")
 
     def __init__(self, owner: str, parts: tuple, named: dict, sources=()):
         self.owner = owner
@@ -217,31 +218,29 @@ class BoundBuffers:
                            if obj is not None)
         named = {k: v for k, v in named.items() if v is not None}
         self.sources = tuple(sources)
-        kv = {id(src.words) for src in self.sources}
-        kept = {k: v for k, v in named.items() if id(v) not in kv}
-        written = {k: v for k, v in named.items() if id(v) in kv}
         self.names = (tuple(f"{label}.{f}" for _, _, label, fields in self.parts for f in fields)
-                      + tuple(kept) + tuple(written))
-        self.tensors, self.written = tuple(kept.values()), tuple(written.values())
-        self.geometry = tuple(map(_GEOMETRY, self.sources))
+                      + tuple(f"sources[{i}].words" for i in range(len(self.sources))) + tuple(named))
+        self.tensors = tuple(named.values())
         now = self._current()
-        self.key, self.written_key = layout_key(now + self.written), layout_key(self.written)
-        self.stamp = (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now))
+        self.key = layout_key(now) + tuple(map(_GEOMETRY, self.sources))
+        self.stamp = self._stamp(now)
 
     def _current(self) -> tuple:
         out = ()
         for obj, get, _, _ in self.parts:
             out += get(obj)
-        return out + self.tensors
+        return out + tuple(map(_WORDS, self.sources)) + self.tensors
+
+    def _stamp(self, now: tuple) -> tuple:
+        return (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now), *map(_GEOMETRY, self.sources))
 
     def check(self) -> None:
         """Raises InputError naming what changed since the launch was bound."""
         now = self._current()
-        stamp = (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now))
-        same = layout_key(self.written) == self.written_key and tuple(map(_GEOMETRY, self.sources)) == self.geometry
-        if same and stamp == self.stamp:
+        stamp = self._stamp(now)
+        if stamp == self.stamp:
             return
-        if same and layout_key(now + self.written) == self.key:
+        if layout_key(now) + tuple(map(_GEOMETRY, self.sources)) == self.key:
             self.stamp = stamp  # written through torch, laid out as bound
             return
         for obj, _, _, _ in self.parts:
@@ -250,7 +249,7 @@ class BoundBuffers:
             src.check(f"sources[{i}] bound to this {self.owner}")
         raise InputError(f"buffers bound to this {self.owner} were resized or replaced since it was built "
                          "(their shape, strides, dtype or address changed): "
-                         f"{changed_buffers(self.names, now + self.written, self.key)}; bind it again")
+                         f"{changed_buffers(self.names, now, self.key[:4 * len(now)])}; bind it again")
 
 
 _VERSION = operator.attrgetter("_version")

@@ -272,7 +272,6 @@ class BoundForward:
         self.capacity = capacity
         # the tensors behind the views above, with their layout now: ``check_bound`` at every call
         self.buffers = BoundBuffers("BoundForward", ((state, "state", STATE_FIELDS),), {
-            **{f"sources[{i}].words": src.words for i, src in enumerate(sources)},
             "meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens}, sources)
 
     def check_bound(self, tag: int = 0) -> None:

@@ -112,12 +112,6 @@ class Bound:
         return plain
 
 
-def _source_buffers(sources, meta) -> dict:
-    named = {f"sources[{i}].words": src.words for i, src in enumerate(sources)}
-    named["meta"] = meta
-    return named
-
-
 class BoundCheck:
     """``check_forward`` at one launch point of one state with the caller's own arguments bound
     once (a Canary on CUDA: the state and its workspace, sources, meta, mode, window, write marks,
@@ -192,7 +186,7 @@ class BoundCheck:
         self.max_bs, self.max_tokens = workspace.max_bs, workspace.max_tokens
         self.index = device.index if device.type == "cuda" else -1  # Tensor.get_device() of the state's tensors
         self._bound = Bound("BoundCheck", state, {
-            **_source_buffers(sources, meta), "truth": truth, "truth_lens": truth_lens,
+            "meta": meta, "truth": truth, "truth_lens": truth_lens,
             **dict(zip(("publication seq", "publication rows"), publication or (), strict=False))}, sources,
             ((workspace, "workspace", WS_FIELDS), (marks, "marks", ("words", "epoch"))))
         self._launch = CheckLaunch(state, workspace, stamp, sources, mode, meta, marks, window, split, max_spins,
@@ -357,7 +351,7 @@ class BoundMarks:
         self.words = source_words(sources, self.meta)
         self.constexprs = {lut: dict(HAS_LUT=lut, NUM_SOURCES=len(sources), BLOCK=MARK_BLOCK) for lut in (False, True)}
         self.index = state.device.index if state.device.type == "cuda" else -1
-        self._bound = Bound("BoundMarks", state, _source_buffers(sources, self.meta), sources)
+        self._bound = Bound("BoundMarks", state, {"meta": self.meta}, sources)
 
     def __call__(self, out_cache_loc: torch.Tensor, lut: torch.Tensor | None = None) -> bool:
         state, index = self.state, self.index
@@ -387,7 +381,7 @@ class BoundVerify:
         sources, mode, meta = kv.list(), kv.mode, kv.meta
         check_programs(max_programs)
         self.state, self.plan = state, plan
-        self._bound = Bound("BoundVerify", state, _source_buffers(sources, meta), sources,
+        self._bound = Bound("BoundVerify", state, {"meta": meta}, sources,
                             ((plan, "plan", tuple(f.name for f in dataclasses.fields(Plan))),))
         self._launch = _VerifyLaunch(state, plan, sources, mode, meta, max_programs)
 

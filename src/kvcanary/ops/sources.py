@@ -48,6 +48,7 @@ class KVSource:
                              f"{self.words.stride(0)}; build it with KVSource.from_buffer(buffer)")
         if self.words.device.type == "meta":
             raise InputError("KVSource.words is on the meta device, which holds no data")
+        object.__setattr__(self, "words", _own_words(self.words))
         for name in ("num_slots", "bytes_per_token", "page_size", "page_stride_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -110,6 +111,17 @@ class KVSource:
             raise InputError(f"KV buffer of shape {tuple(buffer.shape)} does not split into {num_slots} token rows")
         return cls(buffer.view(-1).view(torch.uint8).view(torch.int32), num_slots, nbytes // num_slots, page_size,
                    0, half, layer)
+
+
+def _own_words(words: torch.Tensor) -> torch.Tensor:
+    """``words`` as a tensor of the source's own: the same storage, offset, sizes and strides, but
+    a version counter of its own. A view shares its base's counter, which the model's K/V writes
+    move at every forward; this one moves only when the words themselves are changed in place
+    (``resize_``, ``set_``, ``as_strided_``), so a bound launch sees an unchanged source from
+    three reads (``ops._common.BoundBuffers``). A storage that grows (a ``resize_`` of the
+    buffer) moves under both, and its address with it."""
+    own = torch.empty(0, dtype=words.dtype, device=words.device)
+    return own.set_(words.untyped_storage(), words.storage_offset(), words.shape, words.stride())
 
 
 def _plain(v) -> str:
