@@ -31,7 +31,9 @@ PARTIAL_BYTES = 16
 
 @dataclass(frozen=True)
 class KVSource:
-    """One buffer of the pool as int32 words (``words``: a 1-D int32 view sharing storage)."""
+    """One buffer of the pool as int32 words (``words``: a 1-D int32 tensor over the buffer's
+    storage; the source keeps it as a tensor of its own, whose version counter the model's writes
+    into the buffer do not move)."""
 
     words: torch.Tensor
     num_slots: int
