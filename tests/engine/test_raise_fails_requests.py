@@ -144,3 +144,43 @@ def test_fail_and_recompute_skip_requests_a_server_already_dropped():
             assert gone not in engine.recompute([], [slot], since_step=engine.step_index - 1)
         engine.run_until_done()
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("pool", ["full", "window"])
+def test_a_flush_raises_when_one_pool_alone_found_the_damage(pool, reports_a_step_late):
+    """A hybrid model with reports a step late: the damaged step's report is still pending when the
+    run flushes. Only the damaged pool's canary raises (the other reads a clean step), and that is
+    enough: ``flush`` fails the reader and raises naming it, whichever pool found the damage."""
+    from kvcanary.core.record import PoolKind
+    from kvcanary.engine.config import EngineConfig, ModelConfig
+    from kvcanary.engine.engine import Engine
+
+    reports_a_step_late()
+    model = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
+    config = EngineConfig(num_slots=384, max_rows=9, max_ctx=96, chunk_size=16, max_tokens_per_step=48,
+                          max_running=4, window_slots=72, enable_prefix_cache=False)
+    engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
+    assert engine.delivery.lag == 1
+    ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
+    while min(len(engine.requests[i].output_ids) for i in ids) < 3:
+        engine.step()
+    victim = ids[1]
+    req = engine.requests[victim]
+    full = req.slots[req.num_cached - 2 : req.num_cached - 1]
+    # layer 0 keeps its K/V in the window pool (by window slot), layer 1 in the full pool
+    layer, slot = (0, int(engine.pool.window.translate(full)[0])) if pool == "window" else (1, int(full[0]))
+    assert slot > 0
+    flip_bit(engine, layer, Half.K, slot, 0, 1)  # inside the fingerprinted first 16 bytes
+    engine.step()  # the damaged step; its report is read at the end of the next, here the flush's
+    assert all(engine.requests[i].status is not RequestStatus.FAILED for i in ids)
+    with pytest.raises(CanaryViolation) as info:
+        hooks.flush(engine.step_index)
+    e = info.value
+    assert e.request_ids == (victim,)
+    want_pool = PoolKind.SWA if pool == "window" else PoolKind.FULL
+    assert {(v.tag.pool, v.slot, v.point, v.reasons) for v in e.violations} == {
+        (want_pool, slot, LaunchPoint.TAIL, Reason.FINGERPRINT)}
+    assert engine.requests[victim].status is RequestStatus.FAILED
+    engine.run_until_done()
+    engine.check_integrity()
+    assert all(engine.requests[i].status is RequestStatus.FINISHED for i in ids if i != victim)

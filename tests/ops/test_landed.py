@@ -210,3 +210,44 @@ def test_bound_marks_write_the_references_marks(seed, n, num_sources, lut):
     assert bound(args["out_cache_loc"], args["lut"])
     for i, (src, words) in enumerate(zip(args["sources"], want, strict=True)):
         assert_same(f"source {i} marked [bound]", src.words, words)
+
+
+@pytest.mark.parametrize("backend", [Backend.TORCH, Backend.TRITON, Backend.AUTO], ids=["torch", "triton", "auto"])
+def test_the_path_asked_for_is_the_one_that_runs(backend, monkeypatch):
+    """The Triton kernels run where asked for (or AUTO on CUDA), the torch path elsewhere (AUTO on
+    the host included): each path counted by a wrapper, the marks and rows still the reference's.
+    On a GPU the torch path's boolean indexing would not capture; on a host without the
+    interpreter the kernels would not run at all."""
+    from kvcanary.ops import landed
+
+    calls = {"launch": 0, "mark_torch": 0, "landed_torch": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(landed, "launch", counted("launch", landed.launch))
+    monkeypatch.setattr(landed, "_mark_writes_torch", counted("mark_torch", landed._mark_writes_torch))
+    monkeypatch.setattr(landed, "_landed_torch", counted("landed_torch", landed._landed_torch))
+    gen = torch.Generator().manual_seed(8)
+    case = make_case(gen, 37, 3, lut=True, drop=0.3)
+    num_slots, lut = case["canary"].shape[0], case["lut"].tolist()
+    ref_sources = [ref.RefSource.of(s) for s in case["sources"]]
+    want_marked = ref.mark_writes(ref_sources, case["out_cache_loc"].tolist(), num_slots, lut)
+    forward = forward_writes(gen, case, want_marked)
+    after = [ref.RefSource(w, s.page_size, s.page_stride_bytes, s.bytes_per_token)
+             for w, s in zip(forward, ref_sources, strict=True)]
+    rows, landed_want = ref.check_writes_landed(after, [int(s.half) for s in case["sources"]],
+                                                case["out_cache_loc"].tolist(), case["input_ids"].tolist(),
+                                                case["positions"].tolist(), num_slots, TAIL, lut)
+    assert rows  # some writes were dropped
+    marked, got_landed, args = run(case, backend, forward)
+    triton = backend is Backend.TRITON
+    assert calls == {"launch": int(triton), "mark_torch": int(not triton), "landed_torch": int(not triton)}
+    for i, (got, want) in enumerate(zip(marked, want_marked, strict=True)):
+        assert_same(f"source {i} marked [{backend.value}]", got, want)
+    assert_same(f"landed [{backend.value}]", got_landed, landed_want)
+    assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], case["ring"], int(case["ring_counter"]),
+                rows)

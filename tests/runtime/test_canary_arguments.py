@@ -25,6 +25,8 @@ CASES = [
     ("verify_landed", lambda c: c.verify_landed(torch.tensor([10**6])), InputError,
      r"slots\[0\] = 1000000 out of range \[0, 40\)"),
     ("verify_landed", lambda c: c.verify_landed(torch.tensor([[1]])), InputError, r"slots must be 1-D"),
+    ("verify_landed", lambda c: c.verify_landed(torch.tensor([3, -2], dtype=torch.int32)), InputError,
+     r"slots\[1\] = -2 out of range \[0, 40\)"),
     ("verify_landed", lambda c: c.verify_landed(torch.tensor([1]), 2**70), InputError,
      "first_position 1180591620717411303424 out of range"),
 ]

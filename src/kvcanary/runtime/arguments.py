@@ -5,6 +5,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvcanary.core.record import LaunchPoint
@@ -29,9 +30,30 @@ def check_point(point) -> LaunchPoint:
     return point
 
 
-def check_slots(name: str, slots, num_slots: int | None = None, flat: bool = True) -> torch.Tensor:
-    """A tensor of signed integer slots, 1-D where ``flat``; on the host, each in [0, num_slots)
-    where given."""
+def outside(t: torch.Tensor, n: int) -> bool:
+    """Whether an integer of ``t`` (one of the signed integer dtypes) lies outside [0, n). On the
+    host, for 64- and 32-bit words, one reduction of the words as unsigned: a negative one wraps
+    above any n they can address. On a device: one reduction (the least and the largest), one
+    small copy."""
+    if not t.numel():
+        return False
+    if t.device.type != "cpu":
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        return lo < 0 or hi >= n
+    v = t.numpy()
+    if v.itemsize == 8:
+        return int(v.view(np.uint64).max()) >= n
+    if v.itemsize == 4 and n <= 1 << 31:
+        return int(v.view(np.uint32).max()) >= n
+    return int(v.min()) < 0 or int(v.max()) >= n
+
+
+def check_slots(name: str, slots, num_slots: int | None = None, flat: bool = True,
+                on_device: bool = False) -> torch.Tensor:
+    """A tensor of signed integer slots, 1-D where ``flat``; each in [0, num_slots) where given:
+    on the host, and on a device too where ``on_device`` (one reduction and one small copy to
+    the host: for slots a gather is about to read, where a slot outside the pool would stop the
+    device and a negative one would index from the end)."""
     if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
         got = f"a {str(slots.dtype).removeprefix('torch.')} tensor" if isinstance(slots, torch.Tensor) else \
             type(slots).__name__
@@ -39,12 +61,11 @@ def check_slots(name: str, slots, num_slots: int | None = None, flat: bool = Tru
                              f"got {got}")
     if flat and slots.dim() != 1:
         raise InputError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
-    if num_slots is not None and slots.device.type == "cpu" and slots.numel():
-        bad = (slots < 0) | (slots >= num_slots)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise InputError(f"{name}[{i}] = {int(slots[i])} out of range [0, {num_slots}) (this pool's slots)")
-    return slots
+    if num_slots is None or (slots.device.type != "cpu" and not on_device) or not outside(slots, num_slots):
+        return slots
+    flat_slots = slots.reshape(-1)
+    i = int(torch.nonzero((flat_slots < 0) | (flat_slots >= num_slots))[0])
+    raise InputError(f"{name}[{i}] = {int(flat_slots[i])} out of range [0, {num_slots}) (this pool's slots)")
 
 
 def check_runs(runs, budget_bytes) -> None:

@@ -335,7 +335,7 @@ class Canary:
         source-tag side word) to travel with their K/V, together with ``signature`` (what the rows
         mean; the receiver's ``import_rows`` takes it). Raises KVCanaryError for a slot outside
         the pool."""
-        self.rows.check_slots("export_rows", "slots", slots)
+        check_slots("export_rows slots", slots, self.state.num_slots, on_device=True)
         return self.rows.export(slots)
 
     def land_rows(self, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
@@ -344,14 +344,14 @@ class Canary:
         KVCanaryError, before anything is written, for a signature that differs from this
         canary's (naming each differing field with both values), rows that are not
         uint8[len(slots), ROW_BYTES] and a slot outside the pool."""
-        self.rows.check_slots("land_rows", "slots", slots)
+        check_slots("land_rows slots", slots, self.state.num_slots, on_device=True)
         self.rows.land("land_rows", slots, rows, signature)
 
     def import_rows(self, slots: torch.Tensor, rows: torch.Tensor, signature: LayoutSignature) -> None:
         """Write rows that travelled with K/V (``export_rows``, with the sender's ``signature``)
         into ``slots`` (the stamps are content-only, so they stay valid in any slot), then verify
         the landed slots at once (SWEEP). Raises as ``land_rows``, before anything is written."""
-        self.rows.check_slots("import_rows", "slots", slots)
+        check_slots("import_rows slots", slots, self.state.num_slots, on_device=True)
         self.rows.import_(slots, rows, signature)
 
     def attach_host_tier(self, tier: int | HostMirror) -> None:

@@ -21,31 +21,14 @@ import torch
 
 from kvcanary.core.record import POSITION, RECORD_BYTES, ROW_BYTES
 from kvcanary.errors import ConfigError, KVCanaryError
+from kvcanary.runtime.arguments import check_slots, outside
 from kvcanary.runtime.context import CanaryContext
 from kvcanary.runtime.forward import Forward
 from kvcanary.runtime.signature import LayoutSignature
 from kvcanary.runtime.sweeping import Sweeper
 
-_SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 _SIDE_BYTES = ROW_BYTES - RECORD_BYTES
 _MAX_HOST_ROWS = 2**40  # host tier rows: beyond any host memory (40 bytes a row)
-
-
-def _outside(t: torch.Tensor, n: int) -> bool:
-    """Whether an integer of ``t`` (one of ``_SLOT_DTYPES``) lies outside [0, n). On the host, for
-    64- and 32-bit words, one reduction of the words as unsigned: a negative one wraps above any
-    n they can address. On CUDA: one reduction (the least and the largest), one small copy."""
-    if not t.numel():
-        return False
-    if t.is_cuda:
-        lo, hi = torch.stack(torch.aminmax(t)).tolist()
-        return lo < 0 or hi >= n
-    v = t.numpy()
-    if v.itemsize == 8:
-        return int(v.view(np.uint64).max()) >= n
-    if v.itemsize == 4 and n <= 1 << 31:
-        return int(v.view(np.uint32).max()) >= n
-    return int(v.min()) < 0 or int(v.max()) >= n
 
 
 def _position_of(row: torch.Tensor) -> int:
@@ -73,24 +56,6 @@ class Rows:
         self.mirror: HostMirror | None = None
         self.host_rows: torch.Tensor | None = None
         self._host_views: tuple | None = None  # CPU: numpy views of records, side words and host rows
-
-    def check_slots(self, op: str, name: str, slots: torch.Tensor) -> None:
-        """KVCanaryError naming the first of ``slots`` outside the pool, before anything is read or
-        written (the gathers would stop the device on it, and a negative slot would index from the
-        end; slots on CUDA: one reduction and one small copy to the host)."""
-        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES:
-            got = f"{slots.dtype} tensor" if isinstance(slots, torch.Tensor) else type(slots).__name__
-            raise KVCanaryError(f"{op} {name} must be a tensor of signed integer slots (int64, int32, int16 or "
-                                f"int8), got {got}")
-        if slots.dim() != 1:
-            raise KVCanaryError(f"{op} {name} must be one-dimensional (one slot per row), got shape "
-                                f"{tuple(slots.shape)}")
-        n = self.state.num_slots
-        if not _outside(slots, n):
-            return
-        flat = slots.reshape(-1)
-        i = int(torch.nonzero((flat < 0) | (flat >= n))[0])
-        raise KVCanaryError(f"{op} {name}[{i}] = {int(flat[i])} out of range [0, {n}) (this pool's slots)")
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
         self.forward.join()
@@ -207,8 +172,8 @@ class Rows:
         if device_slots.shape != host_rows.shape:
             raise KVCanaryError(f"{op} device_slots length {device_slots.numel()} != host_rows length "
                                 f"{host_rows.numel()}; pass one host row per slot")
-        if _outside(host_rows, self.host_rows.shape[0]):
+        if outside(host_rows, self.host_rows.shape[0]):
             lo, hi = int(host_rows.min()), int(host_rows.max())
             raise KVCanaryError(f"{op} host_rows must be in [0, {self.host_rows.shape[0]}) (attach_host_tier "
                                 f"num_rows), got values in [{lo}, {hi}]")
-        self.check_slots(op, "device_slots", device_slots)
+        check_slots(f"{op} device_slots", device_slots, self.state.num_slots, on_device=True)
