@@ -11,7 +11,7 @@ figure to compare versions by. ``prepare_head``, ``launch_head``, ``tail``, ``sw
 ``end_step`` make up the report's "canary time share"; ``offload``, ``load_back`` and
 ``verify_landed`` (records following K/V to the host tier and back) are canary work outside that
 figure, shown for completeness; ``buffers check`` (the per-call check of the buffers a bound
-launch indexes, ``ops._common.BoundBuffers``) is part of ``launch_head``, ``tail`` and ``sweep``,
+launch indexes, ``BoundBuffers``) is part of ``launch_head``, ``tail`` and ``sweep``,
 shown on its own.
 """
 
@@ -27,7 +27,7 @@ from kvcanary.engine import engine as engine_mod
 from kvcanary.runtime import canary as canary_mod
 
 try:  # the per-call check of the buffers a bound launch indexes (trees before it have none)
-    from kvcanary.ops._common import BoundBuffers
+    from kvcanary.ops.bound import BoundBuffers
 except ImportError:
     BoundBuffers = None
 
