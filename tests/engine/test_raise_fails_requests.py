@@ -91,16 +91,22 @@ def test_log_policy_keeps_serving_the_reader():
     assert sum(len(r.violations) for r in hooks.reports) >= 1
 
 
+def hybrid_model():
+    """A model whose layers 0 and 2 keep their K/V in a window pool, and an engine config for it."""
+    from kvcanary.engine.config import EngineConfig, ModelConfig
+
+    model = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
+    return model, EngineConfig(num_slots=384, max_rows=9, max_ctx=96, chunk_size=16, max_tokens_per_step=48,
+                               max_running=4, window_slots=72, enable_prefix_cache=False)
+
+
 def test_damage_in_the_window_pool_fails_its_reader_and_both_pools_report():
     """A hybrid model: the window pool's canary is read in the same step as the full pool's, and
     its raise fails the reader as the full pool's does."""
     from kvcanary.core.record import PoolKind
-    from kvcanary.engine.config import EngineConfig, ModelConfig
     from kvcanary.engine.engine import Engine
 
-    model = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
-    config = EngineConfig(num_slots=384, max_rows=9, max_ctx=96, chunk_size=16, max_tokens_per_step=48,
-                          max_running=4, window_slots=72, enable_prefix_cache=False)
+    model, config = hybrid_model()
     clean = Engine(model, config)
     want = clean.generate(PROMPTS, MAX_NEW)
     engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
@@ -152,13 +158,10 @@ def test_a_flush_raises_when_one_pool_alone_found_the_damage(pool, reports_a_ste
     run flushes. Only the damaged pool's canary raises (the other reads a clean step), and that is
     enough: ``flush`` fails the reader and raises naming it, whichever pool found the damage."""
     from kvcanary.core.record import PoolKind
-    from kvcanary.engine.config import EngineConfig, ModelConfig
     from kvcanary.engine.engine import Engine
 
     reports_a_step_late()
-    model = ModelConfig(num_layers=4, sliding_window=6, window_layers=(0, 2), seed=3)
-    config = EngineConfig(num_slots=384, max_rows=9, max_ctx=96, chunk_size=16, max_tokens_per_step=48,
-                          max_running=4, window_slots=72, enable_prefix_cache=False)
+    model, config = hybrid_model()
     engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
     assert engine.delivery.lag == 1
     ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
