@@ -222,7 +222,7 @@ class BoundBuffers:
                       + tuple(f"sources[{i}].words" for i in range(len(self.sources))) + tuple(named))
         self.tensors = tuple(named.values())
         now = self._current()
-        self.key = layout_key(now) + tuple(map(_GEOMETRY, self.sources))
+        self.key = self._key(now)
         self.stamp = self._stamp(now)
 
     def _current(self) -> tuple:
@@ -230,6 +230,9 @@ class BoundBuffers:
         for obj, get, _, _ in self.parts:
             out += get(obj)
         return out + tuple(map(_WORDS, self.sources)) + self.tensors
+
+    def _key(self, now: tuple) -> tuple:
+        return layout_key(now) + tuple(map(_GEOMETRY, self.sources))
 
     def _stamp(self, now: tuple) -> tuple:
         return (*map(_ADDRESS, now), *map(_VERSION, now), *map(_DTYPE, now), *map(_GEOMETRY, self.sources))
@@ -240,7 +243,7 @@ class BoundBuffers:
         stamp = self._stamp(now)
         if stamp == self.stamp:
             return
-        if layout_key(now) + tuple(map(_GEOMETRY, self.sources)) == self.key:
+        if self._key(now) == self.key:
             self.stamp = stamp  # written through torch, laid out as bound
             return
         for obj, _, _, _ in self.parts:
