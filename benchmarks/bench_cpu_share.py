@@ -10,9 +10,7 @@ to another process lands in whatever is running); the CPU-time share moves far l
 figure to compare versions by. ``prepare_head``, ``launch_head``, ``tail``, ``sweep`` and
 ``end_step`` make up the report's "canary time share"; ``offload``, ``load_back`` and
 ``verify_landed`` (records following K/V to the host tier and back) are canary work outside that
-figure, shown for completeness; ``buffers check`` (the per-call check of the buffers a bound
-launch indexes, ``BoundBuffers``) is part of ``launch_head``, ``tail`` and ``sweep``,
-shown on its own.
+figure, shown for completeness.
 """
 
 from __future__ import annotations
@@ -26,21 +24,16 @@ from kvcanary.cli import main
 from kvcanary.engine import engine as engine_mod
 from kvcanary.runtime import canary as canary_mod
 
-try:  # the per-call check of the buffers a bound launch indexes (trees before it have none)
-    from kvcanary.ops.bound import BoundBuffers
-except ImportError:
-    BoundBuffers = None
-
 METHODS = ("prepare_head", "launch_head", "tail", "sweep", "end_step", "offload", "load_back", "rows_landed",
            "verify_landed")
 IN_SHARE = ("prepare_head", "launch_head", "tail", "sweep", "end_step")
 
 
-def instrument(cls, names, times: dict[str, list[tuple[float, float]]], label: str = "") -> None:
+def instrument(cls, names, times: dict[str, list[tuple[float, float]]]) -> None:
     for name in names:
         fn = getattr(cls, name)
 
-        def timed(self, *args, _fn=fn, _name=label or name, **kwargs):
+        def timed(self, *args, _fn=fn, _name=name, **kwargs):
             w0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _fn(self, *args, **kwargs)
@@ -71,8 +64,6 @@ if __name__ == "__main__":
     times: dict[str, list[tuple[float, float]]] = defaultdict(list)
     instrument(canary_mod.Canary, METHODS, times)
     instrument(engine_mod.Engine, ("step",), times)
-    if BoundBuffers is not None:  # inside prepare_head ... sweep: shown, not added to the share again
-        instrument(BoundBuffers, ("check",), times, label="buffers check")
     sys.argv = ["kv-canary", "run", *sys.argv[1:]]
     try:
         main()

@@ -14,7 +14,11 @@ no other device with data). It then calls an op (or a bound launch) that reads t
 - the ops' backends (torch, the Triton kernel interpreted on CPU, and the compiled CPU kernel
   where the op has one) must raise the same error type with the same message;
 - the unmutated twin of a case (one in eight) must run on every backend: the family exercises
-  paths that work, not only refusals.
+  paths that work, not only refusals;
+- ``BoundForward`` (the compiled CPU path's per-step launch) reads only the memory it was bound
+  to and holds it, so a mutation behind its back must not reach it: the mutated case runs and
+  leaves every storage bound before the mutation byte for byte as its unmutated twin's run
+  does, and every storage the mutation brought in untouched.
 
 ``python tests/fuzz/fuzz_state.py --cases N`` prints the counts.
 """
@@ -72,7 +76,7 @@ class World:
     """One case's built objects, random content (never zeros), tiny shapes."""
 
     def __init__(self, rng: random.Random):
-        g = torch.Generator().manual_seed(rng.getrandbits(32))
+        self.gen = g = torch.Generator().manual_seed(rng.getrandbits(32))
         self.num_slots = n = rng.choice([5, 9, 17])
         bs = rng.choice([1, 2, 3])
         self.state = DeviceState.allocate(n, ring_capacity=rng.choice([4, 16]), max_bs=4, max_tokens=8)
@@ -186,7 +190,7 @@ def _bound(w: World, op: str):
     if op == "BoundVerify":
         return BoundVerify(w.state, w.plan, w.kv)
     if op == "BoundForward":  # the compiled CPU path's per-step launch (a CPU Canary's)
-        truth = torch.randint(1, 50_000, w.rtt.shape, dtype=torch.int32)
+        truth = torch.randint(1, 50_000, w.rtt.shape, dtype=torch.int32, generator=w.gen)
         return BoundForward(w.state, w.kv.list(), w.kv.meta, truth, torch.zeros(w.rtt.shape[0], dtype=torch.int64),
                             0, 8)
     return BoundMarks(w.state, w.sources, w.kv.meta, w.mode)
@@ -229,27 +233,35 @@ def call(w: World, op: str, bound, backend: Backend) -> None:
                       sources=kv, marks=w.marks, backend=backend)
 
 
-def _bytes(ts: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """A copy of every byte of each tensor's storage (None for the meta device)."""
+def _bytes(ts: list) -> list[torch.Tensor | None]:
+    """A copy of every byte of each tensor's storage, or each storage's (None for the meta device)."""
     out = []
     for t in ts:
-        if t.device.type == "meta":
+        st = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+        if st.device.type == "meta":
             out.append(None)
             continue
-        st = t.untyped_storage()
         out.append(torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).clone())
     return out
 
 
-def run_one(seed: int, backend: Backend) -> tuple[str, str, BaseException | None, bool]:
-    """(op, mutation or 'none', the error raised or None, whether every storage kept its bytes)."""
+def run_one(seed: int, backend: Backend, twin: bool = False) -> tuple[str, str, BaseException | None, bool, list]:
+    """(op, mutation or 'none', the error raised or None, whether the storages kept their bytes,
+    the bytes of the storages as built after the call). ``twin``: the case without its mutation.
+    Kept: every storage (for ``BoundForward``, which writes the memory it was bound to: every
+    storage the mutation brought in)."""
     rng = random.Random(seed)
     op = rng.choice(OPS)
     w = World(rng)
     bound = _bound(w, op) if op.startswith("Bound") else None
-    held = w.storages()  # the storages before the mutation: a stale view must not be written either
-    what = mutate(w, rng, op) if rng.random() >= 1 / 8 else "none"
-    held += w.storages()
+    built = w.storages()  # the storages before the mutation: a stale view must not be written either
+    memory = [t.untyped_storage() for t in built]  # what they are now, whatever the mutation does to them
+    mutated = rng.random() >= 1 / 8 and not twin
+    what = mutate(w, rng, op) if mutated else "none"
+    held = built + w.storages()
+    if op == "BoundForward":
+        bound_to = {t.untyped_storage().data_ptr() for t in built}
+        held = [t for t in w.storages() if t.untyped_storage().data_ptr() not in bound_to]
     before = _bytes(held)
     err = None
     try:
@@ -257,22 +269,37 @@ def run_one(seed: int, backend: Backend) -> tuple[str, str, BaseException | None
     except Exception as e:  # noqa: BLE001 - classified by the caller
         err = e
     kept = all(b is None or torch.equal(b, a) for b, a in zip(before, _bytes(held), strict=True))
-    return op, what, err, kept
+    return op, what, err, kept, _bytes(memory)
+
+
+def unaffected(seed: int) -> tuple[str, str | None]:
+    """A ``BoundForward`` case (module doc): (outcome, problem)."""
+    op, what, err, kept, after = run_one(seed, Backend.NUMBA)
+    label = f"{op} [{what}]"
+    if err is not None:
+        return "problem", f"{label}: raised {type(err).__name__}: {err}"
+    if what == "none":
+        return "ok", None
+    if not kept:
+        return "problem", f"{label}: wrote to a storage the mutation brought in"
+    twin = run_one(seed, Backend.NUMBA, twin=True)[4]
+    if not all(torch.equal(a, b) for a, b in zip(after, twin, strict=True)):
+        return "problem", f"{label}: the mutation changed what it wrote"
+    return "unaffected", None
 
 
 def compare(seed: int) -> tuple[str, str, str | None]:
     """(op, outcome, problem): outcome 'ok', 'refused' or 'problem'; problem None when the case
     holds every promise of the module doc."""
     op = random.Random(seed).choice(OPS)
-    if op == "BoundForward" and not numba_usable():
-        return op, "skipped", None
-    backends = [Backend.NUMBA] if op == "BoundForward" else [Backend.TRITON] if op.startswith("Bound") else \
-        [Backend.TORCH, Backend.TRITON]
+    if op == "BoundForward":
+        return (op, "skipped", None) if not numba_usable() else (op, *unaffected(seed))
+    backends = [Backend.TRITON] if op.startswith("Bound") else [Backend.TORCH, Backend.TRITON]
     if op in NUMBA_OPS and numba_usable():
         backends.append(Backend.NUMBA)
     runs = {b: run_one(seed, b) for b in backends}
     outcomes = {}
-    for b, (_, what, err, kept) in runs.items():
+    for b, (_, what, err, kept, _) in runs.items():
         label = f"{op} [{what}] on {b.value}"
         if what == "none":
             if err is not None:

@@ -1,13 +1,18 @@
 """Buffers checked once and trusted since: each mutated after it was built (resized, swapped,
 restrided at the same address, misaligned, of another geometry) is refused at the next call,
-on every backend, with an error naming it, before anything is written. And the raw exceptions
-and backend disagreements that hostile arguments once caused, each now a clear error."""
+on every backend, with an error naming it, before anything is written; the compiled CPU path's
+bound launch, which holds the memory it views, is not reached by such a change at all. And the
+raw exceptions and backend disagreements that hostile arguments once caused, each now a clear
+error."""
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvcanary.core.record import RECORD_BYTES, LaunchPoint
 from kvcanary.errors import InputError, InputTypeError
@@ -20,6 +25,7 @@ from kvcanary.ops import (
     KVSource,
     Plan,
     SourceSet,
+    _cpu,
     build_plan,
     check_forward,
     check_writes,
@@ -29,6 +35,8 @@ from kvcanary.ops import (
     stamp,
     verify,
 )
+from kvcanary.ops.backend import BoundForward, batch_arrays, cpu_kernels_usable
+from kvcanary.ops.state import STATE_FIELDS
 
 from ._helpers import BACKEND_IDS, BACKENDS, WITH_NUMBA, WITH_NUMBA_IDS
 
@@ -276,3 +284,41 @@ def test_the_pool_buffer_written_leaves_the_words_as_bound_and_a_grown_buffer_is
     buf.resize_(NUM_SLOTS * 64, 8)  # the storage grows: its memory moves under the words too
     refused(w, lambda: sweep(1), InputError, r"sources\[0\] bound to this BoundVerify changed since it was built "
                                              r"\(moved to another address\)")
+
+
+@pytest.mark.skipif(not cpu_kernels_usable(), reason="the compiled CPU kernels do not serve here")
+def test_the_compiled_launch_holds_the_memory_it_was_bound_to_and_no_later_change_reaches_it():
+    w = world()
+    s, src = w["state"], w["src"]
+    kv = SourceSet.build([src], FingerprintMode.PARTIAL, NUM_SLOTS, s.device)
+    truth = torch.randint(1, 50_000, (3, 5), dtype=torch.int32, generator=GEN)
+    launch = BoundForward(s, kv.list(), kv.meta, truth, torch.zeros(3, dtype=torch.int64), 0, 8)
+    bound = [getattr(s, f) for f in STATE_FIELDS] + [src.words]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in bound]
+    # the counter block's three buffers are views of one tensor, which holds their storage itself
+    own = [i for i, t in enumerate(bound) if t._base is None]
+    before = [t.clone() for t in bound]
+    with pytest.raises(RuntimeError, match="not resizable"):  # the memory it views cannot move
+        src.words.untyped_storage().resize_(src.words.untyped_storage().nbytes() * 4)
+    for t in bound:  # every buffer it views: the tensor now over a copy elsewhere, its old storage let go
+        t.data = t.clone()
+    del bound
+    _cpu._state_views.clear()  # the numpy views the ops keep: the launch's own alone are left
+    _cpu._views.clear()
+    gc.collect()
+    assert not any(r.expired() for r in refs)  # the launch's views keep the memory they view alive
+    moved = [getattr(s, f).clone() for f in STATE_FIELDS] + [src.words.clone()]
+    b, wr = w["batch"], w["writes"]
+    arrays = batch_arrays(b["req_pool_indices"], b["prefix_lens"], b["extend_lens"], b["req_to_token"],
+                          wr["input_ids"], wr["positions"], wr["out_cache_loc"], None)
+    assert launch.check(arrays, None, 1, True, False)
+    # HEAD wrote the records of its two write targets and counted its launch in the memory it was bound to
+    records, stats = launch.state_arrays[0].view(np.uint8), launch.state_arrays[3]
+    written = [i for i in range(NUM_SLOTS) if not np.array_equal(records[i], before[0][i].numpy())]
+    assert written == [5, 6] and stats[1].sum() > before[3][1].sum()
+    # and nothing in the tensors' new buffers
+    assert all(torch.equal(a, b) for a, b in zip(moved, [getattr(s, f) for f in STATE_FIELDS] + [src.words],
+                                                 strict=True))
+    del launch, arrays, records, stats
+    gc.collect()
+    assert len(own) == 4 and all(refs[i].expired() for i in own)  # nothing else held them: the launch did

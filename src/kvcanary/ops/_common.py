@@ -191,11 +191,12 @@ _WORDS = operator.attrgetter("words")
 
 
 class BoundBuffers:
-    """What a bound launch (``ops.bound``, ``ops._cpu.BoundForward``) checked when it was built
-    and re-checks at every call: the fields of the objects it reads (``parts``: (object, label,
-    field names), read again at each call, so that a swap of two fields of a frozen object is
-    seen), its KV sources' ``words`` (read again too) and geometry, and the tensors it holds
-    itself (``named``).
+    """What a bound launch of ``ops.bound`` checked when it was built and re-checks at every call
+    (its kernels take the tensors as they are at each call; ``ops._cpu.BoundForward`` instead
+    holds the memory it views and checks nothing per call): the fields of the objects it reads
+    (``parts``: (object, label, field names), read again at each call, so that a swap of two
+    fields of a frozen object is seen), its KV sources' ``words`` (read again too) and geometry,
+    and the tensors it holds itself (``named``).
 
     A call reads three attributes of each buffer, its address, torch's version counter and its
     dtype, and compares them with those of the last call (one tuple compare): every in-place

@@ -45,9 +45,8 @@ from kvcanary.core.record import NUM_LAUNCH_TAGS, NUM_STATS, STAT_LAUNCHES, VIOL
 from kvcanary.errors import InputError
 from kvcanary.ops import _cpu_kernels as _k
 from kvcanary.ops import _cpu_scatter as _ks
-from kvcanary.ops._common import Backend, BoundBuffers
+from kvcanary.ops._common import Backend
 from kvcanary.ops._cpu_kernels import _HELD, _LUT, _SCATTER, _STAMP, _STARTS, _TRUTH, _UNMARKED
-from kvcanary.ops.state import STATE_FIELDS
 
 log = logging.getLogger("kvcanary")
 
@@ -257,9 +256,21 @@ class BoundForward:
     comes as numpy views (``batch_arrays``). Each call returns False, having written nothing,
     when the batch's values are out of the ranges the ops accept or an array is not contiguous:
     the caller then runs the op itself, which raises its error. The caller checks the rest of
-    what the ops check once per batch (``validation.host_forward_ok``)."""
+    what the ops check once per batch (``validation.host_forward_ok``).
+
+    The bound buffers are checked once, when the launch is bound, and never again: the kernels
+    read and write only the memory of the numpy views made here, and that memory cannot move or
+    go away while the launch lives. ``.numpy()`` makes a storage non-resizable (torch refuses to
+    grow it from then on, the engine's KV buffer included), and each view holds its storage
+    itself, so whatever later happens to the tensor objects (``set_``, ``.data =``, a swapped
+    field of the state or a source) leaves the views on live memory of the sizes bound. Such a
+    change does not reach the launch: it goes on with the buffers it was bound to, while the ops,
+    which take the objects as they are at each call, check them and refuse the changed ones."""
 
     def __init__(self, state, sources, meta, truth, truth_lens, window: int, capacity: int):
+        state.check()
+        for i, src in enumerate(sources):
+            src.check(f"sources[{i}] bound to this BoundForward")
         self.state_arrays = _state_arrays(state, sources, meta)
         self.num_sources, self.window = len(sources), window
         self.truth, self.truth_lens = truth.numpy(), truth_lens.numpy()
@@ -270,16 +281,10 @@ class BoundForward:
         self.stats_words = memoryview(self.state_arrays[3].reshape(-1))
         self._check, self._scatter, self._verify = kernel("check"), kernel("scatter"), kernel("verify")
         self.capacity = capacity
-        # the tensors behind the views above, with their layout now: ``check_bound`` at every call
-        self.buffers = BoundBuffers("BoundForward", ((state, "state", STATE_FIELDS),), {
-            "meta": meta if sources else None, "truth": truth, "truth_lens": truth_lens}, sources)
 
-    def check_bound(self, tag: int = 0) -> None:
-        """The per-call check: the state's buffers and the other bound tensors as they were bound
-        (the views read their memory), the sources' geometry (``BoundBuffers``: one tuple
-        compare), and the tag a plain int in range (the kernels index the stats by it). Raises
-        InputError naming the changed buffer or the tag."""
-        self.buffers.check()
+    @staticmethod
+    def check_tag(tag: int) -> None:
+        """The per-call check: the tag a plain int in range (the kernels index the stats by it)."""
         if type(tag) is not int or not 0 <= tag < NUM_LAUNCH_TAGS:
             raise InputError(f"tag {tag!r} must be an int in [0, {NUM_LAUNCH_TAGS}); pass LaunchTag(...).value")
 
@@ -287,7 +292,6 @@ class BoundForward:
                 ) -> bool:
         """Token truth of the batch into the truth table and each request's length into the lengths
         (``starts``: appends, each from its column on)."""
-        self.check_bound()
         try:
             return self._scatter(flat_in, offsets, rpi, self.truth, self.error, self.truth_lens, True, True,
                                  _DUMMY_I64_1 if starts is None else starts, starts is not None) == 0
@@ -300,7 +304,7 @@ class BoundForward:
         against the truth table; ``scatter``: the forward's (truth ids, offsets, starts or None),
         scattered into the truth table and lengths first, in the same call (with starts: appends,
         each from its column on); ``held``: int64 numpy slots or None."""
-        self.check_bound(tag)
+        self.check_tag(tag)
         rpi, prefix, extend, rtt, ids, pos, loc, lut = batch
         words, ring, counter, stats, kv0, kv1, kv2, kv3, meta_np, src_tags, halves = self.state_arrays
         flat, offsets, starts = scatter if scatter is not None else (_DUMMY_I64_1, _DUMMY_I64_1, None)
@@ -321,7 +325,7 @@ class BoundForward:
         """``verify`` of a sweep plan holding these entries (host lists; idle slots, row 0), at most
         ``capacity`` of them, fingerprints included; False (nothing written) where they do not fit
         that plan."""
-        self.check_bound(tag)
+        self.check_tag(tag)
         n = len(slot)
         if n > self.capacity:
             return False
