@@ -338,6 +338,25 @@ def test_one_workspace_serves_many_launches():
         assert ws.sync.tolist() == [0, 0, 0, k + 1]
 
 
+def test_the_launch_reads_its_sync_words_and_not_their_neighbours():
+    """A workspace whose sync words lie inside a larger buffer, between words far past any count:
+    the verifiers, the write blocks' wait and the reset read and write the four words alone."""
+    gen = torch.Generator().manual_seed(10)
+    dev = device_for(Backend.TRITON)
+    spare = Workspace.allocate(8, 4096, dev)
+    around = torch.full((6,), 2**62 + 5, dtype=torch.int64, device=dev)
+    around[1:5] = 0
+    ws = Workspace(around[1:5], spare.write_offsets, spare.seed, spare.block_sum, spare.block_flag)
+    w = make_world(gen, [5, 9, 2], [1, 1300, 4], mode=FingerprintMode.PARTIAL, with_truth=True, corrupt=0.1,
+                   lut=False, window=0, stamp=True, tag=3)
+    words, _, rows, _, stamped, _ = expected(w)
+    args, _ = run_op(check_forward, Backend.TRITON, **w, workspace=ws)
+    assert stamped == 1304 and len(rows) == 224  # the reference's counts for this seed (its damage found)
+    assert_same("canary", words_of(args["canary"]), words)
+    assert_ring("ring", args["ring"], args["ring_counter"], w["ring"], int(w["ring_counter"]), rows)
+    assert around.tolist() == [2**62 + 5, 0, 0, 0, 1, 2**62 + 5]
+
+
 @pytest.mark.parametrize("lut", [False, True])
 def test_duplicate_write_targets_are_named_at_head(lut):
     """Two tokens of one forward written to one slot: HEAD's fused check names the later writer
