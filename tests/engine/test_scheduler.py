@@ -108,3 +108,41 @@ def test_random_schedules_conserve_memory(page_size, host, seed):
     assert engine.stats.num_evicted_slots > 0 and engine.stats.num_prefix_hit_tokens > 0
     if host:
         assert engine.stats.num_offloaded_slots > 0
+
+
+def test_after_a_step_with_drafts_every_token_but_the_last_is_computed():
+    """Speculative decoding: whatever part of its drafts a request's step accepted (all, some,
+    none, or the request finishing partway through them), the step leaves exactly its last token
+    uncomputed (``num_cached == num_tokens - 1``), and a request that finishes enters the prefix
+    cache with that count: no accepted token's K/V computed again, and none taken as computed,
+    or cached, that was not."""
+    engine = make_engine(sampler="oracle", num_draft_tokens=3)
+    sched = engine.scheduler
+    post, release, seen = sched.postprocess, sched.cache.release, []
+
+    def counted(plan, sampled, step=0, accepted=None):
+        # each request that ran drafts and sampled: its token count once it takes every accepted token
+        full = {req: req.num_tokens + 1 + len((accepted or {}).get(req.request_id, [])) for req, _ in plan
+                if req.draft_ids and req.request_id in sampled}
+
+        def released(req, cache):  # a request finishing in this step: its count as it enters the cache
+            if req in full:
+                seen.append((req.num_cached, req.num_tokens - 1, req.num_tokens < full[req]))
+            release(req, cache)
+
+        sched.cache.release = released
+        try:
+            finished = post(plan, sampled, step, accepted)
+        finally:
+            sched.cache.release = release
+        seen.extend((req.num_cached, req.num_tokens - 1, False) for req in full if req not in finished)
+        return finished
+
+    sched.postprocess = counted
+    for i, prompt in enumerate(random_prompts(seed=11, num=6, min_len=4, max_len=30)):
+        engine.add_request(prompt, 5 + 3 * i)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    assert [(cached, last) for cached, last, _ in seen if cached != last] == []
+    assert len(seen) > 20 and any(cut for _, _, cut in seen)  # a request finishing partway through its drafts
