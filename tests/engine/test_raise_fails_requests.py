@@ -100,22 +100,29 @@ def hybrid_model():
                                max_running=4, window_slots=72, enable_prefix_cache=False)
 
 
+def hybrid_raise_run(victim: int) -> tuple:
+    """An engine of ``hybrid_model`` with a RAISE canary, run until every request has 3 outputs:
+    (engine, hooks, request ids, the id of request ``victim``, the full-pool slot of the token
+    before its last computed one, a 1-element tensor: a slot it reads at its next step)."""
+    from kvcanary.engine.engine import Engine
+
+    model, config = hybrid_model()
+    engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
+    ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
+    while min(len(engine.requests[i].output_ids) for i in ids) < 3:
+        engine.step()
+    req = engine.requests[ids[victim]]
+    return engine, hooks, ids, ids[victim], req.slots[req.num_cached - 2 : req.num_cached - 1]
+
+
 def test_damage_in_the_window_pool_fails_its_reader_and_both_pools_report():
     """A hybrid model: the window pool's canary is read in the same step as the full pool's, and
     its raise fails the reader as the full pool's does."""
     from kvcanary.core.record import PoolKind
     from kvcanary.engine.engine import Engine
 
-    model, config = hybrid_model()
-    clean = Engine(model, config)
-    want = clean.generate(PROMPTS, MAX_NEW)
-    engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
-    ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
-    while min(len(engine.requests[i].output_ids) for i in ids) < 3:
-        engine.step()
-    victim = ids[0]
-    req = engine.requests[victim]
-    full = req.slots[req.num_cached - 2 : req.num_cached - 1]
+    want = Engine(*hybrid_model()).generate(PROMPTS, MAX_NEW)
+    engine, hooks, ids, victim, full = hybrid_raise_run(0)
     window_slot = int(engine.pool.window.translate(full)[0])
     assert window_slot > 0
     flip_bit(engine, 0, Half.K, window_slot, 0, 1)  # layer 0 keeps its K/V in the window pool
@@ -158,18 +165,10 @@ def test_a_flush_raises_when_one_pool_alone_found_the_damage(pool, reports_a_ste
     run flushes. Only the damaged pool's canary raises (the other reads a clean step), and that is
     enough: ``flush`` fails the reader and raises naming it, whichever pool found the damage."""
     from kvcanary.core.record import PoolKind
-    from kvcanary.engine.engine import Engine
 
     reports_a_step_late()
-    model, config = hybrid_model()
-    engine, hooks = attach_canary(lambda h: Engine(model, config, h), CanaryConfig(policy=Policy.RAISE))
+    engine, hooks, ids, victim, full = hybrid_raise_run(1)
     assert engine.delivery.lag == 1
-    ids = [engine.add_request(p, MAX_NEW) for p in PROMPTS]
-    while min(len(engine.requests[i].output_ids) for i in ids) < 3:
-        engine.step()
-    victim = ids[1]
-    req = engine.requests[victim]
-    full = req.slots[req.num_cached - 2 : req.num_cached - 1]
     # layer 0 keeps its K/V in the window pool (by window slot), layer 1 in the full pool
     layer, slot = (0, int(engine.pool.window.translate(full)[0])) if pool == "window" else (1, int(full[0]))
     assert slot > 0

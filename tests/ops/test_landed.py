@@ -93,7 +93,9 @@ def run(case: dict, backend: Backend, forward: list[list[int]] | None = None):
     return marked, landed, args
 
 
-def check_case(gen: torch.Generator, case: dict) -> list[list[int]]:
+def expected(gen: torch.Generator, case: dict) -> tuple[list, list, list[list[int]], list]:
+    """The reference's marks, the forward's writes over them (some dropped, as the case says), and
+    the rows and landed flags of the check that follows."""
     num_slots = case["canary"].shape[0]
     lut = case["lut"].tolist() if case["lut"] is not None else None
     ref_sources = [ref.RefSource.of(s) for s in case["sources"]]
@@ -104,13 +106,26 @@ def check_case(gen: torch.Generator, case: dict) -> list[list[int]]:
     rows, landed = ref.check_writes_landed(after, [int(s.half) for s in case["sources"]],
                                            case["out_cache_loc"].tolist(), case["input_ids"].tolist(),
                                            case["positions"].tolist(), num_slots, TAIL, lut)
+    return want_marked, forward, rows, landed
+
+
+def assert_run(case: dict, backend: Backend, forward: list, want_marked: list, landed: list,
+               rows: list[list[int]]) -> dict:
+    """Marks and check on ``backend``: the reference's marks, landed flags and rows; returns the
+    arguments after the run."""
+    marked, got_landed, args = run(case, backend, forward)
+    for i, (got, want) in enumerate(zip(marked, want_marked, strict=True)):
+        assert_same(f"source {i} marked [{backend.value}]", got, want)
+    assert_same(f"landed [{backend.value}]", got_landed, landed)
+    assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], case["ring"],
+                int(case["ring_counter"]), rows)
+    return args
+
+
+def check_case(gen: torch.Generator, case: dict) -> list[list[int]]:
+    want_marked, forward, rows, landed = expected(gen, case)
     for backend in BACKENDS:
-        marked, got_landed, args = run(case, backend, forward)
-        for i, (got, want) in enumerate(zip(marked, want_marked, strict=True)):
-            assert_same(f"source {i} marked [{backend.value}]", got, want)
-        assert_same(f"landed [{backend.value}]", got_landed, landed)
-        assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], case["ring"],
-                    int(case["ring_counter"]), rows)
+        args = assert_run(case, backend, forward, want_marked, landed, rows)
         for i, (src, want) in enumerate(zip(args["sources"], forward, strict=True)):
             assert_same(f"source {i} after the check [{backend.value}]", src.words, want)  # the check only reads
     return rows
@@ -233,21 +248,8 @@ def test_the_path_asked_for_is_the_one_that_runs(backend, monkeypatch):
     monkeypatch.setattr(landed, "_landed_torch", counted("landed_torch", landed._landed_torch))
     gen = torch.Generator().manual_seed(8)
     case = make_case(gen, 37, 3, lut=True, drop=0.3)
-    num_slots, lut = case["canary"].shape[0], case["lut"].tolist()
-    ref_sources = [ref.RefSource.of(s) for s in case["sources"]]
-    want_marked = ref.mark_writes(ref_sources, case["out_cache_loc"].tolist(), num_slots, lut)
-    forward = forward_writes(gen, case, want_marked)
-    after = [ref.RefSource(w, s.page_size, s.page_stride_bytes, s.bytes_per_token)
-             for w, s in zip(forward, ref_sources, strict=True)]
-    rows, landed_want = ref.check_writes_landed(after, [int(s.half) for s in case["sources"]],
-                                                case["out_cache_loc"].tolist(), case["input_ids"].tolist(),
-                                                case["positions"].tolist(), num_slots, TAIL, lut)
+    want_marked, forward, rows, landed_want = expected(gen, case)
     assert rows  # some writes were dropped
-    marked, got_landed, args = run(case, backend, forward)
+    assert_run(case, backend, forward, want_marked, landed_want, rows)
     triton = backend is Backend.TRITON
     assert calls == {"launch": int(triton), "mark_torch": int(not triton), "landed_torch": int(not triton)}
-    for i, (got, want) in enumerate(zip(marked, want_marked, strict=True)):
-        assert_same(f"source {i} marked [{backend.value}]", got, want)
-    assert_same(f"landed [{backend.value}]", got_landed, landed_want)
-    assert_ring(f"ring [{backend.value}]", args["ring"], args["ring_counter"], case["ring"], int(case["ring_counter"]),
-                rows)
